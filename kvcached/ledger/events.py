@@ -64,30 +64,30 @@ class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False, kw_only=T
     meta: dict[str, str] = {}
 
 
-class _Event(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
+class _Event(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="t"):
     """Base of every journaled event; ``t`` is the integer tag (the first array element)."""
 
 
 # --- inputs ---------------------------------------------------------------------------------
 
 
-class BuildBoundary(_Event, tag=0):
+class BuildBoundary(_Event, frozen=True, tag=0):
     """Build ``build`` (one ``build_connector_meta`` call) has returned; its jobs precede this."""
 
     build: NonNeg
 
 
-class BlockAlloc(_Event, tag=1):
+class BlockAlloc(_Event, frozen=True, tag=1):
     pool: NonNeg
     blocks: BlockIds
 
 
-class BlockFree(_Event, tag=2):
+class BlockFree(_Event, frozen=True, tag=2):
     pool: NonNeg
     blocks: BlockIds
 
 
-class JobBuilt(_Event, tag=3):
+class JobBuilt(_Event, frozen=True, tag=3):
     """A transfer job returned by a build. ``blocks[i]`` are its GPU block ids in pool ``i``."""
 
     job: NonNeg
@@ -97,14 +97,14 @@ class JobBuilt(_Event, tag=3):
     workers: Positive
 
 
-class JobReported(_Event, tag=4):
+class JobReported(_Event, frozen=True, tag=4):
     """``count`` workers reported ``job`` complete (vLLM sums completions over workers)."""
 
     job: NonNeg
     count: Positive
 
 
-class WindowHold(_Event, tag=5):
+class WindowHold(_Event, frozen=True, tag=5):
     """Sliding-window (or non-align Mamba) blocks of ``req``: their pages stay until released."""
 
     req: NonNeg
@@ -112,34 +112,34 @@ class WindowHold(_Event, tag=5):
     blocks: BlockIds
 
 
-class WindowRelease(_Event, tag=6):
+class WindowRelease(_Event, frozen=True, tag=6):
     """Native matching dropped ``req``'s old block lists: its window holds end."""
 
     req: NonNeg
 
 
-class RequestAdded(_Event, tag=7):
+class RequestAdded(_Event, frozen=True, tag=7):
     """Interns the engine's request id ``name`` as the small integer ``req``."""
 
     req: NonNeg
     name: str
 
 
-class RequestFinished(_Event, tag=8):
+class RequestFinished(_Event, frozen=True, tag=8):
     """``req``'s last build has been built: its window holds end, its jobs still pin."""
 
     req: NonNeg
 
 
-class RequestPreempted(_Event, tag=9):
+class RequestPreempted(_Event, frozen=True, tag=9):
     req: NonNeg
 
 
-class PrefixCacheReset(_Event, tag=10):
+class PrefixCacheReset(_Event, frozen=True, tag=10):
     pass
 
 
-class MemoryLimit(_Event, tag=11):
+class MemoryLimit(_Event, frozen=True, tag=11):
     """The allocator may keep at most ``pages`` pages mapped from now on."""
 
     pages: NonNeg
@@ -148,18 +148,18 @@ class MemoryLimit(_Event, tag=11):
 # --- decisions ------------------------------------------------------------------------------
 
 
-class PageMapped(_Event, tag=12):
+class PageMapped(_Event, frozen=True, tag=12):
     page: NonNeg
 
 
-class PageUnmapped(_Event, tag=13):
+class PageUnmapped(_Event, frozen=True, tag=13):
     page: NonNeg
 
 
 # --- journal bookkeeping --------------------------------------------------------------------
 
 
-class Gap(_Event, tag=14):
+class Gap(_Event, frozen=True, tag=14):
     """The producer dropped ``dropped`` events here (hand-off full or journal behind)."""
 
     dropped: Positive

@@ -86,7 +86,8 @@ class PageStatus(msgspec.Struct, frozen=True, kw_only=True):
     pins: tuple[PinReason, ...]
 
     def describe(self) -> str:
-        head = f"page {self.page}: {'mapped' if self.mapped else 'unmapped'}, {self.allocated_blocks} block(s) allocated"
+        state = "mapped" if self.mapped else "unmapped"
+        head = f"page {self.page}: {state}, {self.allocated_blocks} block(s) allocated"
         if self.unmappable:
             return f"{head}; may be unmapped ({self.policy})"
         reasons = []

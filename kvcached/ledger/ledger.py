@@ -25,8 +25,8 @@ import bisect
 from collections.abc import Callable, Iterable, Set
 from typing import Any
 
-import msgspec
-
+from ..errors import ConfigError
+from . import checks
 from .events import (
     BlockAlloc,
     BlockFree,
@@ -48,7 +48,7 @@ from .events import (
     WindowHold,
     WindowRelease,
 )
-from .findings import ChainLink, PageStatus, PinReason, Violation
+from .findings import InvariantId, PageStatus, PinReason, Violation
 from .state import JobState, LedgerSnapshot
 
 DEFAULT_LIVENESS_BUILDS = 16
@@ -74,8 +74,6 @@ class Ledger:
         for pool in header.pools:
             bpp = header.page_bytes // pool.block_bytes
             if bpp < 1:
-                from ..errors import ConfigError
-
                 raise ConfigError(
                     f"a block of {pool.block_bytes} bytes does not fit a {header.page_bytes}-byte page: "
                     "raise KVCACHED_PAGE_SIZE_MB or lower the block size"
@@ -85,9 +83,14 @@ class Ledger:
             pages += -(-pool.num_blocks // bpp)
         self.num_pages = pages
         nb = [p.num_blocks for p in header.pools]
-        # Per block: allocated flag, page epoch when written, event indices for witnesses.
+        # Per block: its page, allocated flag, page epoch when written (-1: never), and event
+        # indices for witnesses.
+        self._npools = len(nb)
+        self._bpage = [
+            [first + b // bpp for b in range(n)] for first, bpp, n in zip(self._first, self._bpp, nb, strict=True)
+        ]
         self._alloc = [bytearray(n) for n in nb]
-        self._bepoch = [[0] * n for n in nb]
+        self._bepoch = [[-1] * n for n in nb]
         self._balloc_ix = [[-1] * n for n in nb]
         self._bfree_ix = [[-1] * n for n in nb]
         # Per page.
@@ -127,7 +130,7 @@ class Ledger:
         self._stall_since: int | None = None
         self._stall_reported = False
         self._hold_reported: set[int] = set()
-        self.counts: dict[str, int] = {}
+        self.builds = self.jobs_built = self.maps = self.unmaps = self.prefix_cache_resets = 0
         self._dispatch: dict[type, Callable[[Any], None]] = {
             BuildBoundary: self._build_boundary,
             BlockAlloc: self._block_alloc,
@@ -186,6 +189,22 @@ class Ledger:
         k = bisect.bisect_left(self._boundary_ix, index)
         return self._boundary_build[k] if k < len(self._boundary_ix) else self.build
 
+    def counters(self) -> dict[str, int]:
+        """Totals for summaries: events, builds, jobs, maps, unmaps, peaks."""
+        return {
+            "events": self.index,
+            "builds": self.builds,
+            "jobs": self.jobs_built,
+            "outstanding_jobs": len(self._jobs),
+            "maps": self.maps,
+            "unmaps": self.unmaps,
+            "mapped_pages": self.mapped_pages,
+            "pinned_pages": self.pinned_pages,
+            "peak_pinned_pages": self.peak_pinned_pages,
+            "prefix_cache_resets": self.prefix_cache_resets,
+            "dropped_events": self.dropped_events,
+        }
+
     def outstanding_jobs(self) -> int:
         return len(self._jobs)
 
@@ -196,15 +215,15 @@ class Ledger:
         """Every reason ``page`` is kept, in O(pins on the page)."""
         pins: list[PinReason] = []
         for job in sorted(self._page_jobs.get(page, ())):
-            st = self._jobs[job]
+            kind, req, _, workers, reported, build, _ = self._jobs[job]
             pins.append(
                 PinReason(
                     kind="job",
-                    since_build=st.build,
+                    since_build=build,
                     job=job,
-                    job_kind="store" if st.kind == JobKind.STORE else "load",
-                    request=self.request_name(st.req),
-                    waiting_workers=st.workers - st.reported,
+                    job_kind="store" if kind == JobKind.STORE else "load",
+                    request=self.request_name(req),
+                    waiting_workers=workers - reported,
                 )
             )
         if page in self._grace:
@@ -225,6 +244,9 @@ class Ledger:
         return (p for p, n in enumerate(self._pins) if n)
 
     # --- applying events ----------------------------------------------------------------------
+    # The handlers below are the scheduler's hot path (budget: about 1 us per free or report on
+    # a 2-core machine), so they bind locals, inline the pin bookkeeping and use C-level map()
+    # over block ids; the rare paths (violations, I4) live in ``checks``.
 
     def apply(self, event: Event) -> None:
         self._dispatch[type(event)](event)
@@ -235,8 +257,6 @@ class Ledger:
         for event in events:
             dispatch[type(event)](event)
             self.index += 1
-
-    # pin bookkeeping; every change of a page's pins or blocks ends in _refresh
 
     def _refresh(self, p: int) -> None:
         if self._mapped[p] and not self._page_alloc[p] and (self._legacy or not self._pins[p]):
@@ -261,23 +281,14 @@ class Ledger:
         self._pins[p] = n
         if not n:
             self.pinned_pages -= 1
-            self._refresh(p)
+            if not self._legacy and self._mapped[p] and not self._page_alloc[p] and p not in self._unmappable:
+                self._unmappable.add(p)
+                self._fresh.append(p)
 
-    def _violate(self, invariant: Any, code: str, message: str, **kw: Any) -> None:
+    def _violate(self, invariant: InvariantId, code: str, message: str, **kw: Any) -> None:
         self.violations.append(
             Violation(invariant=invariant, code=code, index=self.index, build=self.build, message=message, **kw)
         )
-
-    def _blocks_ok(self, pool: int, blocks: Iterable[int], what: str) -> bool:
-        if pool >= len(self._bpp):
-            self._violate("I3", "unknown-pool", f"{what} names pool {pool}; the header has {len(self._bpp)}")
-            return False
-        nb = len(self._alloc[pool])
-        bad = [b for b in blocks if b >= nb]
-        if bad:
-            self._violate("I3", "block-out-of-range", f"{what} names block {bad[0]} of pool {pool}, which has {nb}")
-            return False
-        return True
 
     # inputs
 
@@ -286,40 +297,45 @@ class Ledger:
         if n != self.build and not self.lossy:
             self._violate("I3", "build-out-of-order", f"build {n} closed while build {self.build} was open")
         due = self._grace_due
-        if n - self.build <= 64:
-            keys: Iterable[int] = range(self.build, n + 1)
-        else:
-            keys = [k for k in due if k <= n]
+        keys: Iterable[int] = range(self.build, n + 1) if 0 <= n - self.build <= 64 else [k for k in due if k <= n]
+        grace = self._grace
         for k in keys:
-            for p in due.pop(k, ()):
-                if self._grace.pop(p, None) is not None:
-                    self._unpin(p)
-            for req in self._finish_due.pop(k, ()):
-                self._check_finished(req, n)
+            pages = due.pop(k, None)
+            if pages:
+                for p in pages:
+                    if grace.pop(p, None) is not None:
+                        self._unpin(p)
+            reqs = self._finish_due.pop(k, None)
+            if reqs:
+                for req in reqs:
+                    checks.finished_request(self, req, n)
         self._boundary_ix.append(self.index)
         self._boundary_build.append(n)
         self.build = n + 1
-        self.counts["builds"] = self.counts.get("builds", 0) + 1
+        self.builds += 1
         if self.limit is not None and self.mapped_pages > self.limit:
-            self._check_shrink(n)
-        else:
+            checks.shrink(self, n)
+        elif self._stall_since is not None or self._stall_reported:
             self._stall_since = None
             self._stall_reported = False
 
     def _block_alloc(self, ev: BlockAlloc) -> None:
         pool = ev.pool
-        if not self._blocks_ok(pool, ev.blocks, "BlockAlloc"):
+        if pool >= self._npools:
+            checks.bad_pool(self, pool, "BlockAlloc")
             return
-        alloc, bepoch, aix = self._alloc[pool], self._bepoch[pool], self._balloc_ix[pool]
-        first, bpp = self._first[pool], self._bpp[pool]
-        page_alloc, mapped, epoch, i = self._page_alloc, self._mapped, self._epoch, self.index
+        alloc, bpage, bepoch, aix = self._alloc[pool], self._bpage[pool], self._bepoch[pool], self._balloc_ix[pool]
+        page_alloc, mapped, epoch, i, nb = self._page_alloc, self._mapped, self._epoch, self.index, len(alloc)
         for b in ev.blocks:
-            if alloc[b]:
-                self._violate("I3", "double-alloc", f"block {b} of pool {pool} allocated twice", page=first + b // bpp)
+            if b >= nb:
+                checks.bad_block(self, pool, b, "BlockAlloc")
                 continue
-            p = first + b // bpp
+            p = bpage[b]
+            if alloc[b]:
+                self._violate("I3", "double-alloc", f"block {b} of pool {pool} allocated twice", page=p)
+                continue
             if not mapped[p]:
-                self._violate("I2", "alloc-on-unmapped", f"block {b} of pool {pool} handed out on an unmapped page", page=p)
+                self._violate("I2", "alloc-on-unmapped", f"block {b} of pool {pool} given on an unmapped page", page=p)
             alloc[b] = 1
             bepoch[b] = epoch[p]
             aix[b] = i
@@ -330,126 +346,167 @@ class Ledger:
 
     def _block_free(self, ev: BlockFree) -> None:
         pool = ev.pool
-        if not self._blocks_ok(pool, ev.blocks, "BlockFree"):
+        if pool >= self._npools:
+            checks.bad_pool(self, pool, "BlockFree")
             return
-        alloc, fix = self._alloc[pool], self._bfree_ix[pool]
-        first, bpp = self._first[pool], self._bpp[pool]
-        page_alloc, grace, i = self._page_alloc, self._grace, self.index
+        alloc, bpage, fix, pfix = self._alloc[pool], self._bpage[pool], self._bfree_ix[pool], self._pfree_ix
+        page_alloc, grace, pins, i, nb = self._page_alloc, self._grace, self._pins, self.index, len(alloc)
         for b in ev.blocks:
-            p = first + b // bpp
+            if b >= nb:
+                checks.bad_block(self, pool, b, "BlockFree")
+                continue
+            p = bpage[b]
             if not alloc[b]:
                 self._violate("I3", "double-free", f"block {b} of pool {pool} freed while not allocated", page=p)
                 continue
             alloc[b] = 0
             fix[b] = i
-            self._pfree_ix[p] = i
+            pfix[p] = i
             n = page_alloc[p] - 1
             page_alloc[p] = n
-            if not n:
-                if p not in grace:
-                    self._grace_due.setdefault(self.build, []).append(p)
-                    self._pin(p)
-                grace[p] = i
-                self._refresh(p)
+            if n:
+                continue
+            # The page is empty: grace until the open build is built (its jobs may still read it).
+            if p not in grace:
+                due = self._grace_due.get(self.build)
+                if due is None:
+                    self._grace_due[self.build] = [p]
+                else:
+                    due.append(p)
+                k = pins[p]
+                pins[p] = k + 1
+                if not k:
+                    self.pinned_pages += 1
+                    if self.pinned_pages > self.peak_pinned_pages:
+                        self.peak_pinned_pages = self.pinned_pages
+            grace[p] = i
+            if self._legacy and self._mapped[p] and p not in self._unmappable:
+                self._unmappable.add(p)
+                self._fresh.append(p)
 
     def _job_built(self, ev: JobBuilt) -> None:
         job = ev.job
         if job in self._jobs:
             self._violate("I3", "duplicate-job", f"job {job} built again while outstanding", job=job)
             return
-        store = ev.kind == JobKind.STORE
-        pages: dict[int, None] = {}
-        lost: list[tuple[int, int, int]] = []
-        mapped, epoch = self._mapped, self._epoch
+        store = ev.kind == 0  # JobKind.STORE
+        pages: list[int] = []
+        epoch, mapped = self._epoch, self._mapped
+        lost = False
+        last = -1
         for pool, ids in enumerate(ev.blocks):
             if not ids:
                 continue
-            if not self._blocks_ok(pool, ids, f"job {job}"):
+            if pool >= self._npools:
+                checks.bad_pool(self, pool, f"job {job}")
                 return
-            first, bpp, bepoch, aix = self._first[pool], self._bpp[pool], self._bepoch[pool], self._balloc_ix[pool]
-            for b in ids:
-                p = first + b // bpp
-                pages[p] = None
+            bpage, bepoch = self._bpage[pool], self._bepoch[pool]
+            try:
+                # A store reads intact data only if the page was not unmapped since the block
+                # was written (epoch -1: never written); a load needs its page mapped. Blocks
+                # of a job come in runs, so comparing with the last page dedupes most of them.
                 if store:
-                    if aix[b] < 0:
-                        if not self.lossy:
-                            self._violate("I3", "job-on-unwritten-block", f"store job {job} reads block {b} of pool {pool}, never allocated", job=job, page=p)
-                    elif bepoch[b] != epoch[p]:
-                        lost.append((pool, b, p))
-                elif not mapped[p]:
-                    lost.append((pool, b, p))
-        st = JobState(kind=int(ev.kind), req=ev.req, pages=tuple(pages), workers=ev.workers, build=self.build, index=self.index)
-        self._jobs[job] = st
-        self._req_jobs.setdefault(ev.req, set()).add(job)
-        page_jobs = self._page_jobs
+                    for b in ids:
+                        p = bpage[b]
+                        if p != last:
+                            pages.append(p)
+                            last = p
+                        if bepoch[b] != epoch[p]:
+                            lost = True
+                else:
+                    for b in ids:
+                        p = bpage[b]
+                        if p != last:
+                            pages.append(p)
+                            last = p
+                        if not mapped[p]:
+                            lost = True
+            except IndexError:
+                checks.bad_block(self, pool, max(ids), f"job {job}")
+                return
+        if len(pages) > 1:
+            pages = list(dict.fromkeys(pages))
+        if lost:
+            checks.lost_blocks(self, ev)
+        # [kind, req, pages, workers, reported, build, index]: a list, because building a
+        # slotted object costs a third of this handler's budget.
+        self._jobs[job] = [ev.kind, ev.req, tuple(pages), ev.workers, 0, self.build, self.index]
+        rj = self._req_jobs.get(ev.req)
+        if rj is None:
+            self._req_jobs[ev.req] = {job}
+        else:
+            rj.add(job)
+        page_jobs, pins, legacy, unm = self._page_jobs, self._pins, self._legacy, self._unmappable
         for p in pages:
             s = page_jobs.get(p)
             if s is None:
                 page_jobs[p] = {job}
             else:
                 s.add(job)
-            self._pin(p)
-        self.counts["jobs"] = self.counts.get("jobs", 0) + 1
-        if lost:
-            self._lost_data(ev, store, lost)
-
-    def _lost_data(self, ev: JobBuilt, store: bool, lost: list[tuple[int, int, int]]) -> None:
-        pool, b, p = lost[0]
-        req = self.request_name(ev.req)
-        if store:
-            msg = (f"store job {ev.job} copies block {b} of pool {pool} after its page {p} was unmapped "
-                   f"(the copy reads zeros or another tenant's bytes)")
-            chain = (
-                ChainLink(step="alloc", index=self._balloc_ix[pool][b], build=-1, what=f"block {b} written (allocated)"),
-                ChainLink(step="free", index=self._bfree_ix[pool][b], build=-1, what=f"block {b} freed"),
-                ChainLink(step="unmap", index=self._unmap_ix[p], build=-1, what=f"page {p} unmapped"),
-                ChainLink(step="late copy", index=self.index, build=self.build, what=f"store job {ev.job} built over block {b}"),
-            )
-        else:
-            msg = f"load job {ev.job} writes block {b} of pool {pool} into unmapped page {p}"
-            chain = (ChainLink(step="late copy", index=self.index, build=self.build, what=f"load job {ev.job} built"),)
-        extra = f" (+{len(lost) - 1} more block(s))" if len(lost) > 1 else ""
-        self._violate("I1", "copy-of-lost-block", msg + extra, page=p, job=ev.job, request=req, chain=_strip(self, chain))
+            k = pins[p]
+            pins[p] = k + 1
+            if not k:
+                self.pinned_pages += 1
+                if self.pinned_pages > self.peak_pinned_pages:
+                    self.peak_pinned_pages = self.pinned_pages
+                if not legacy:
+                    unm.discard(p)
+        self.jobs_built += 1
 
     def _job_reported(self, ev: JobReported) -> None:
-        st = self._jobs.get(ev.job)
+        job = ev.job
+        st = self._jobs.get(job)
         if st is None:
             if not self.lossy:
-                self._violate("I3", "report-unknown-job", f"job {ev.job} reported but not outstanding (never built, or already fully reported)", job=ev.job)
+                self._violate(
+                    "I3", "report-unknown-job",
+                    f"job {job} reported but not outstanding (never built, or already fully reported)", job=job,
+                )
             return
-        st.reported += ev.count
-        if st.reported > st.workers:
-            self._violate("I3", "over-report", f"job {ev.job} reported {st.reported} times for {st.workers} worker(s)", job=ev.job, request=self.request_name(st.req))
-        if st.reported < st.workers:
+        reported = st[4] + ev.count
+        st[4] = reported
+        workers = st[3]
+        if reported < workers:
             return
-        del self._jobs[ev.job]
-        page_jobs = self._page_jobs
-        for p in st.pages:
+        if reported > workers:
+            self._violate(
+                "I3", "over-report", f"job {job} reported {reported} times for {workers} worker(s)",
+                job=job, request=self.request_name(st[1]),
+            )
+        del self._jobs[job]
+        page_jobs, pins = self._page_jobs, self._pins
+        for p in st[2]:
             s = page_jobs[p]
-            s.discard(ev.job)
+            s.discard(job)
             if not s:
                 del page_jobs[p]
-            self._unpin(p)
-        jobs = self._req_jobs.get(st.req)
-        if jobs is not None:
-            jobs.discard(ev.job)
-            if not jobs:
-                del self._req_jobs[st.req]
-                self._forget_if_done(st.req)
-        for vi in self._job_violation.pop(ev.job, ()):
-            v = self.violations[vi]
-            link = ChainLink(step="late copy", index=self.index, build=self.build, what=f"job {ev.job} completed its copy")
-            self.violations[vi] = msgspec.structs.replace(v, chain=v.chain + (link,))
+            n = pins[p] - 1
+            pins[p] = n
+            if not n:
+                self.pinned_pages -= 1
+                if not self._legacy and self._mapped[p] and not self._page_alloc[p]:
+                    self._unmappable.add(p)
+                    self._fresh.append(p)
+        req = st[1]
+        jobs = self._req_jobs[req]
+        jobs.discard(job)
+        if not jobs:
+            del self._req_jobs[req]
+            if req in self._finished:
+                del self._finished[req]
+                self._names.pop(req, None)
+        if self._job_violation:
+            checks.late_copy(self, job)
 
     def _window_hold(self, ev: WindowHold) -> None:
-        if not self._blocks_ok(ev.pool, ev.blocks, "WindowHold"):
+        if ev.pool >= self._npools:
+            checks.bad_pool(self, ev.pool, "WindowHold")
             return
-        first, bpp, req = self._first[ev.pool], self._bpp[ev.pool], ev.req
+        bpage = self._bpage[ev.pool]
+        pages = {bpage[b] for b in ev.blocks if b < len(bpage) or checks.bad_block(self, ev.pool, b, "WindowHold")}
+        req = ev.req
         mine = self._req_holds.setdefault(req, set())
-        for b in ev.blocks:
-            p = first + b // bpp
-            if p in mine:
-                continue
+        for p in pages - mine:
             mine.add(p)
             self._holds.setdefault(p, {})[req] = self.build
             self._pin(p)
@@ -479,17 +536,12 @@ class Ledger:
         else:
             self._names.pop(req, None)
 
-    def _forget_if_done(self, req: int) -> None:
-        if req in self._finished:
-            del self._finished[req]
-            self._names.pop(req, None)
-
     def _request_preempted(self, ev: RequestPreempted) -> None:
         self._preempted[ev.req] = self.build
         self._hold_reported.discard(ev.req)
 
     def _prefix_cache_reset(self, ev: PrefixCacheReset) -> None:
-        self.counts["prefix_cache_resets"] = self.counts.get("prefix_cache_resets", 0) + 1
+        self.prefix_cache_resets += 1
 
     def _memory_limit(self, ev: MemoryLimit) -> None:
         self.limit = ev.pages
@@ -506,7 +558,7 @@ class Ledger:
             return
         self._mapped[p] = 1
         self.mapped_pages += 1
-        self.counts["maps"] = self.counts.get("maps", 0) + 1
+        self.maps += 1
         self._refresh(p)
 
     def _page_unmapped(self, ev: PageUnmapped) -> None:
@@ -518,74 +570,20 @@ class Ledger:
             self._violate("I3", "double-unmap", f"page {p} unmapped while unmapped", page=p)
             return
         if self._page_alloc[p]:
-            self._violate("I2", "unmap-with-blocks", f"page {p} unmapped with {self._page_alloc[p]} block(s) allocated", page=p)
-        for job in sorted(self._page_jobs.get(p, ())):
-            st = self._jobs[job]
-            kind = "store" if st.kind == JobKind.STORE else "load"
-            chain = (
-                ChainLink(step="pin", index=st.index, build=st.build, what=f"{kind} job {job} built over page {p}"),
-                ChainLink(step="free", index=self._pfree_ix[p], build=-1, what=f"last block on page {p} freed"),
-                ChainLink(step="unmap", index=self.index, build=self.build, what=f"page {p} unmapped"),
-            )
-            self._job_violation.setdefault(job, []).append(len(self.violations))
-            self._violate(
-                "I1", "unmap-under-job",
-                f"page {p} unmapped while {kind} job {job} still waits on {st.workers - st.reported} worker(s)",
-                page=p, job=job, request=self.request_name(st.req), chain=_strip(self, chain),
-            )
+            n = self._page_alloc[p]
+            self._violate("I2", "unmap-with-blocks", f"page {p} unmapped with {n} block(s) allocated", page=p)
+        if p in self._page_jobs:
+            checks.unmap_under_jobs(self, p)
         self._mapped[p] = 0
         self._epoch[p] += 1
         self._unmap_ix[p] = self.index
         self.mapped_pages -= 1
-        self.counts["unmaps"] = self.counts.get("unmaps", 0) + 1
+        self.unmaps += 1
         self._unmappable.discard(p)
 
     def _gap(self, ev: Gap) -> None:
         self.lossy = True
         self.dropped_events += ev.dropped
-
-    # --- I4 -----------------------------------------------------------------------------------
-
-    def _check_finished(self, req: int, n: int) -> None:
-        jobs = self._req_jobs.get(req)
-        if req not in self._finished or not jobs:
-            return
-        job = min(jobs)
-        st = self._jobs[job]
-        self._violate(
-            "I4", "pin-outlives-request",
-            f"job {job} of request {self.request_name(req)}, finished in build {self._finished[req]}, "
-            f"still pins {len(st.pages)} page(s) {n - self._finished[req]} builds later "
-            f"(waiting on {st.workers - st.reported} worker(s))",
-            job=job, request=self.request_name(req), page=st.pages[0] if st.pages else None,
-        )
-
-    def _check_shrink(self, n: int) -> None:
-        k = self.liveness_builds
-        if self._unmappable:
-            if self._stall_since is None:
-                self._stall_since = n
-            elif n - self._stall_since > k and not self._stall_reported:
-                self._stall_reported = True
-                p = min(self._unmappable)
-                self._violate(
-                    "I4", "shrink-stalled",
-                    f"{self.mapped_pages} pages mapped over a limit of {self.limit} for {n - self._stall_since} "
-                    f"builds while {len(self._unmappable)} page(s) could be unmapped",
-                    page=p,
-                )
-        else:
-            self._stall_since = None
-        for req, since in self._preempted.items():
-            held = self._req_holds.get(req)
-            if held and n - since > k and req not in self._hold_reported:
-                self._hold_reported.add(req)
-                self._violate(
-                    "I4", "holds-block-shrink",
-                    f"window holds of request {self.request_name(req)}, preempted in build {since}, keep "
-                    f"{len(held)} page(s) mapped over the limit of {self.limit} for {n - since} builds",
-                    request=self.request_name(req), page=min(held),
-                )
 
     # --- snapshot and restore -----------------------------------------------------------------
 
@@ -602,11 +600,3 @@ class Ledger:
         restore_snapshot(ledger, snap)
         return ledger
 
-
-def _strip(ledger: Ledger, chain: tuple[ChainLink, ...]) -> tuple[ChainLink, ...]:
-    """Fill in builds and drop links whose event is unknown (index -1: before the trace began)."""
-    return tuple(
-        c if c.build >= 0 else msgspec.structs.replace(c, build=ledger.build_of(c.index))
-        for c in chain
-        if c.index >= 0
-    )

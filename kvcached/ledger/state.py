@@ -8,7 +8,7 @@ start a long trace in the middle and let the journal service write checkpoints.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -19,19 +19,9 @@ if TYPE_CHECKING:
     from .ledger import Ledger
 
 
-class JobState:
-    """An outstanding transfer job (mutable: its report count grows)."""
-
-    __slots__ = ("kind", "req", "pages", "workers", "reported", "build", "index")
-
-    def __init__(self, *, kind: int, req: int, pages: tuple[int, ...], workers: int, build: int, index: int) -> None:
-        self.kind = kind
-        self.req = req
-        self.pages = pages
-        self.workers = workers
-        self.reported = 0
-        self.build = build
-        self.index = index
+# An outstanding job, as the ledger keeps it: [kind, req, pages, workers, reported, build,
+# index]. A list, not an object, because it is made and dropped on the hot path.
+JobState = list[Any]
 
 
 class JobRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -84,7 +74,11 @@ class LedgerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     stall_since: int | None
     stall_reported: bool
     hold_reported: list[int]
-    counts: dict[str, int]
+    builds: int
+    jobs_built: int
+    maps: int
+    unmaps: int
+    prefix_cache_resets: int
 
 
 def take_snapshot(lg: Ledger) -> LedgerSnapshot:
@@ -106,7 +100,7 @@ def take_snapshot(lg: Ledger) -> LedgerSnapshot:
         grace=dict(sorted(lg._grace.items())),
         holds={p: dict(sorted(h.items())) for p, h in sorted(lg._holds.items())},
         jobs=[
-            JobRecord(job, st.kind, st.req, st.pages, st.workers, st.reported, st.build, st.index)
+            JobRecord(job, int(st[0]), *st[1:])
             for job, st in sorted(lg._jobs.items())
         ],
         names=dict(sorted(lg._names.items())),
@@ -124,7 +118,11 @@ def take_snapshot(lg: Ledger) -> LedgerSnapshot:
         stall_since=lg._stall_since,
         stall_reported=lg._stall_reported,
         hold_reported=sorted(lg._hold_reported),
-        counts=dict(sorted(lg.counts.items())),
+        builds=lg.builds,
+        jobs_built=lg.jobs_built,
+        maps=lg.maps,
+        unmaps=lg.unmaps,
+        prefix_cache_resets=lg.prefix_cache_resets,
     )
 
 
@@ -154,9 +152,7 @@ def restore_snapshot(lg: Ledger, s: LedgerSnapshot) -> None:
             pins[p] += 1
     lg._jobs, lg._req_jobs, lg._page_jobs = {}, {}, {}
     for r in s.jobs:
-        st = JobState(kind=r.kind, req=r.req, pages=r.pages, workers=r.workers, build=r.build, index=r.index)
-        st.reported = r.reported
-        lg._jobs[r.job] = st
+        lg._jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index]
         lg._req_jobs.setdefault(r.req, set()).add(r.job)
         for p in r.pages:
             lg._page_jobs.setdefault(p, set()).add(r.job)
@@ -179,7 +175,8 @@ def restore_snapshot(lg: Ledger, s: LedgerSnapshot) -> None:
     lg._stall_since = s.stall_since
     lg._stall_reported = s.stall_reported
     lg._hold_reported = set(s.hold_reported)
-    lg.counts = dict(s.counts)
+    lg.builds, lg.jobs_built, lg.maps, lg.unmaps = s.builds, s.jobs_built, s.maps, s.unmaps
+    lg.prefix_cache_resets = s.prefix_cache_resets
     lg._unmappable = set()
     for p in range(lg.num_pages):
         lg._refresh(p)
