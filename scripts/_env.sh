@@ -1,17 +1,29 @@
 # Sourced by the README's commands: make .venv (once) with kvcached and what its tests need.
 # torch is pinned to 2.13.0 because this machine kind carries its CPU wheel on disk; a plain
-# `torch` would pull a multi-GB CUDA build.
+# `torch` would pull a multi-GB CUDA build. The editable install is pure Python
+# (KVCACHED_MYPYC=0) so that the source you edit is the code that runs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+
+pip_quiet() {
+    # pip on these machines warns about local index folders it cannot see; keep its real errors.
+    local log rc=0
+    log=$(mktemp)
+    .venv/bin/python -m pip install -q "$@" >"$log" 2>&1 || rc=$?
+    grep -v '^WARNING: Location' "$log" || true
+    rm -f "$log"
+    return $rc
+}
+
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/.kvcached-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt "$stamp" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -m pip install -q -e '.[test,dev]' 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -c 'import kvcached, kvreplay, msgspec, anyio, torch' 
+    pip_quiet --upgrade pip
+    pip_quiet torch==2.13.0
+    KVCACHED_MYPYC=0 pip_quiet -e '.[test,dev]'
+    .venv/bin/python -c 'import kvcached, kvreplay, msgspec, anyio, torch, mypyc'
     touch "$stamp"
 fi

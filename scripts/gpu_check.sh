@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The memory backends' GPU checks, in one run on the GPU machine: the gpu-marked tests, then the map/unmap
+# benchmark, everything teed into $OUT/gpu_check.log (the bench's JSON also lands in $OUT). Expects python3 with
+# a CUDA torch, cuda-python (cuda-bindings) and pytest; needs no network and no msgspec. Takes well under a
+# minute on an H200; each step has its own timeout so a hang cannot eat the device budget.
+#
+# pytest runs with a throwaway ini and --noconftest on purpose: the project's pyproject options (asyncio_mode,
+# plugins) and any conftest the CPU suite grows must not be able to break or skip this run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export OUT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+export KVCACHED_REQUIRE_GPU=1
+PY="${PYTHON:-python3}"
+
+main() {
+    echo "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) in $PWD"
+    nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv 2>&1 || true
+    "$PY" - <<'PY'
+import sys
+import torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpu", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+import numpy  # torch needs it to read __cuda_array_interface__
+print("numpy", numpy.__version__)
+import kvcached.backends
+from kvcached.backends.cuda import load_driver
+cu = load_driver()
+import cuda.bindings
+print("cuda-bindings", getattr(cuda.bindings, "__version__", "?"), "driver module", cu.__name__)
+leaked = [m for m in ("msgspec", "kvcached.ledger") if m in sys.modules]
+print("imports of kvcached.backends pull in:", leaked or "neither msgspec nor the ledger")
+sys.exit(1 if leaked else 0)
+PY
+    local rc_env=$?
+
+    echo "== pytest -m gpu tests/gpu"
+    local ini
+    ini="$(mktemp -d)/pytest.ini"
+    printf '[pytest]\nmarkers =\n    gpu: needs a CUDA GPU and cuda-python\n' >"$ini"
+    timeout 240 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -c "$ini" --rootdir=. --noconftest -rs \
+        --durations=5
+    local rc_tests=$?
+
+    echo "== benchmarks/bench_backend_cuda.py"
+    timeout 120 "$PY" benchmarks/bench_backend_cuda.py
+    local rc_bench=$?
+
+    echo "== gpu_check: env rc=$rc_env tests rc=$rc_tests bench rc=$rc_bench"
+    [ "$rc_env" -eq 0 ] && [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+}
+
+main 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
