@@ -56,3 +56,9 @@ class MalformedEventError(JournalError):
 
 class JournalWriteError(KvcachedError):
     """The journal could not be written (disk full, permissions); serving goes on without it."""
+
+
+class BackendError(KvcachedError):
+    """A memory backend refused or failed an operation: a page mapped twice, an index out of
+    range, a closed backend, or a driver call that failed (the message names the call and the
+    driver's error name)."""

@@ -1,0 +1,168 @@
+"""Host memory backend: the same map/unmap contract as the CUDA backend, on an anonymous mmap.
+
+It exists so that everything above the backend (page allocator, ledger-driven unmapping, the
+freed-block-copy scenarios) runs and is tested on machines without a GPU, with memory that
+really comes and goes: the range is one private anonymous ``mmap`` reserved with
+``MAP_NORESERVE`` (no commit charge for slots never written), "map" only marks a slot usable
+(the kernel supplies zeroed memory on first write), and "unmap" is ``madvise(MADV_DONTNEED)``,
+which on Linux drops the slot's pages at once and makes the next read return zeros, the same
+observable behaviour as the CUDA backend's zero page. ``resident_bytes()`` asks the kernel with
+``mincore(2)`` over exactly this range, because the process RSS (or ``smaps_rollup``) cannot
+tell this range from the rest of the heap and the tests must see the memory go back.
+Linux only: elsewhere ``MADV_DONTNEED`` does not promise zeros, so the contract would not hold.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import sys
+from typing import TYPE_CHECKING
+
+from kvcached.backends.base import Backend, MiB, PageStillMappedError
+from kvcached.errors import BackendError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+# Python's mmap module gained MAP_NORESERVE only in 3.13; the value is 0x4000 on the Linux
+# architectures that use the generic flag layout (not on mips, sparc, powerpc, where guessing
+# would set an unrelated flag, so there we go without it).
+_GENERIC_MMAP_ARCHES = {"x86_64", "amd64", "aarch64", "arm64", "riscv64", "s390x", "i386", "i686"}
+_MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0) or (
+    0x4000 if sys.platform == "linux" and platform.machine().lower() in _GENERIC_MMAP_ARCHES else 0
+)
+
+# mincore over huge ranges in one call would need a vector of one byte per OS page; 1 GiB at a
+# time bounds it to 256 KiB with 4 KiB pages.
+_MINCORE_CHUNK = 1 << 30
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+class HostBackend(Backend):
+    """Anonymous-mmap backend. ``page_bytes`` must be a multiple of the OS page size, or
+    ``madvise`` could not return a slot's memory without touching its neighbours.
+
+    After ``close()``, views obtained from ``tensor()`` stay valid (the mmap is only unmapped
+    when the last view is gone) and read zeros; writes through them fault in memory again,
+    which is held until the last view is dropped and is no longer counted by
+    ``resident_bytes()``.
+    """
+
+    kind = "host"
+
+    def __init__(self, page_bytes: int = 2 * MiB, num_pages: int | None = None) -> None:
+        if sys.platform != "linux":
+            raise ConfigError(
+                f"KVCACHED backend 'host' needs Linux (madvise(MADV_DONTNEED) returning zeroed "
+                f"pages); this is {sys.platform}"
+            )
+        os_page = mmap.PAGESIZE
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ConfigError(f"KVCACHED_PAGE_SIZE_MB: page size must be a positive int of bytes, got {page_bytes!r}")
+        if page_bytes % os_page:
+            raise ConfigError(
+                f"KVCACHED_PAGE_SIZE_MB: host page size {page_bytes} bytes is not a multiple of "
+                f"the OS page size ({os_page} bytes), so an unmapped page's memory could not be "
+                "returned to the OS"
+            )
+        super().__init__(page_bytes)
+        self._mm: mmap.mmap | None = None
+        self._addr = 0
+        if num_pages is not None:
+            self.reserve(num_pages)
+
+    def _reserve(self, num_pages: int) -> None:
+        size = num_pages * self.page_bytes
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        try:
+            mm = mmap.mmap(-1, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise BackendError(f"host: mmap of {size} bytes ({num_pages} pages) failed: {e}") from e
+        # The address is needed for mincore; from_buffer exports the buffer, and an export
+        # left alive would make the mmap unclosable, so the ctypes object is dropped at once.
+        probe = ctypes.c_char.from_buffer(mm)
+        self._addr = ctypes.addressof(probe)
+        del probe
+        self._mm = mm
+
+    def _map(self, index: int) -> None:
+        # Nothing to do: the slot was never written or was madvised away, so the kernel hands
+        # out zeroed pages on first write. Touching them here would only cost time.
+        return None
+
+    def _unmap(self, index: int) -> None:
+        assert self._mm is not None
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, index * self.page_bytes, self.page_bytes)
+        except OSError as e:
+            # madvise either drops the pages or fails before touching them.
+            raise PageStillMappedError(f"host: madvise(MADV_DONTNEED) of page {index} failed: {e}") from e
+
+    def _tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        assert self._mm is not None
+        # torch.frombuffer keeps a reference to the mmap object (not a buffer export), so the
+        # view keeps the object, and with it the mapping, alive. It does not stop mmap.close()
+        # from unmapping under the view, which is why this class never calls close() on it.
+        return torch.frombuffer(self._mm, dtype=dtype)
+
+    def _close(self) -> None:
+        mm = self._mm
+        if mm is None:
+            return
+        # One madvise over the whole range also reclaims anything written through a stale view
+        # into an unmapped slot, which per-page unmapping would miss.
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
+        except OSError as e:
+            raise BackendError(f"host: madvise(MADV_DONTNEED) of the whole range failed: {e}") from e
+        finally:
+            # Dropping the reference, not mm.close(): with views alive, close() would munmap
+            # under them (a segfault on their next access). Without views, CPython frees the
+            # object here and its dealloc munmaps the range.
+            self._mm = None
+            self._addr = 0
+
+    def resident_bytes(self) -> int:
+        """Bytes of this range resident in RAM now, from mincore(2) over the range.
+
+        Pages that were only *read* after an unmap map the kernel's shared zero page and count
+        as resident here though they cost no memory; writes are what the tests measure."""
+        with self._lock:
+            mm, addr = self._mm, self._addr
+            if mm is None:
+                return 0
+            return _mincore_resident(addr, len(mm))
+
+
+def _mincore_resident(addr: int, length: int) -> int:
+    libc = _libc()
+    os_page = mmap.PAGESIZE
+    total = 0
+    for start in range(0, length, _MINCORE_CHUNK):
+        n = min(_MINCORE_CHUNK, length - start)
+        pages = (n + os_page - 1) // os_page
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(addr + start), ctypes.c_size_t(n), vec) != 0:
+            err = ctypes.get_errno()
+            raise BackendError(f"host: mincore over the range failed: {os.strerror(err)}")
+        # Only bit 0 is defined; the others are reserved, so mask before counting.
+        total += bytes(vec).translate(_LOW_BIT).count(1)
+    return total * os_page
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        lib.mincore.restype = ctypes.c_int
+        _LIBC = lib
+    return _LIBC
