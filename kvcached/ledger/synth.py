@@ -89,7 +89,7 @@ def workload(
             next_req += 1
             running[req] = _Req(prompt=rng.randint(1, 64), todo=rng.randint(1, 32))
             yield RequestAdded(req, f"cmpl-{seed:x}-{req:08x}")
-        for req, r in running.items():
+        for r in running.values():
             n = min(r.prompt, prefill_chunk) if r.prompt else (1 if rng.random() < 0.25 and r.todo else 0)
             got = take(n)
             if got:

@@ -1,0 +1,297 @@
+"""KV blocks on elastic pages: block <-> page geometry, allocation, and views of the bytes.
+
+One manager serves one block pool (one vLLM KV cache group). Blocks never straddle pages: a
+page holds ``page_bytes // block_bytes`` blocks and the tail is unused, because a block split
+over two pages could lose half its bytes to an unmap. New blocks come from partly used pages
+first, so that pages empty out and can be given back; every alloc and free is a ledger event,
+and the page allocator unmaps only what the ledger lets go.
+
+Both layouts of upstream kvcached are supported. *Contiguous*: one range, a page holds whole
+blocks of every layer (a compound page, ``block_bytes`` covers all layers). *Per-layer*: one
+region per layer, and logical page ``p`` is mapped in every region at once (``block_bytes`` is
+one layer's share). Either way the ledger sees one logical page per index.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .backends.base import Backend
+from .errors import BackendError, ConfigError, KvcachedError
+from .ledger.events import BlockAlloc, BlockFree, Header, Policy, PoolGeometry
+from .ledger.ledger import Ledger
+from .ledger.recorder import Recorder
+from .page_allocator import AllocatorState, OutOfPagesError, PageAllocator, PageMapper
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Layout(enum.Enum):
+    CONTIGUOUS = "contiguous"
+    PER_LAYER = "per-layer"
+
+
+class OutOfBlocksError(KvcachedError):
+    """``alloc(n)`` asked for more blocks than ``available_size()``."""
+
+
+class BlockStateError(KvcachedError):
+    """A block freed twice, or a block id outside the pool."""
+
+
+class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """How blocks sit on pages. ``block_bytes`` is per page-space (see the module docstring)."""
+
+    num_blocks: int
+    block_bytes: int
+    page_bytes: int
+    num_layers: int = 1
+    layout: Layout = Layout.CONTIGUOUS
+
+    def __post_init__(self) -> None:
+        if self.block_bytes > self.page_bytes:
+            mib = -(-self.block_bytes // (1 << 20))
+            raise ConfigError(
+                f"a KV block of {self.block_bytes} bytes does not fit a {self.page_bytes}-byte page; "
+                f"set KVCACHED_PAGE_SIZE_MB to at least {mib} (or use smaller blocks)"
+            )
+        if self.num_blocks < 1 or self.block_bytes < 1 or self.num_layers < 1:
+            raise ConfigError(f"invalid KV geometry: {self}")
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.page_bytes // self.block_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.num_blocks // self.blocks_per_page)
+
+    @property
+    def regions(self) -> int:
+        return self.num_layers if self.layout is Layout.PER_LAYER else 1
+
+    @property
+    def backend_pages(self) -> int:
+        return self.num_pages * self.regions
+
+    def pool(self) -> PoolGeometry:
+        return PoolGeometry(block_bytes=self.block_bytes, num_blocks=self.num_blocks)
+
+
+class _Regions:
+    """Logical page ``p`` = slot ``p`` of every layer's region; all or none of them mapped."""
+
+    def __init__(self, backend: Backend, geometry: KVGeometry) -> None:
+        self.backend = backend
+        self.num_pages = geometry.num_pages
+        self._regions = geometry.regions
+
+    def map_page(self, index: int) -> None:
+        done: list[int] = []
+        try:
+            for r in range(self._regions):
+                self.backend.map_page(r * self.num_pages + index)
+                done.append(r * self.num_pages + index)
+        except BackendError:
+            for slot in done:
+                self.backend.unmap_page(slot)
+            raise
+
+    def unmap_page(self, index: int) -> None:
+        for r in range(self._regions):
+            self.backend.unmap_page(r * self.num_pages + index)
+
+
+class KVCacheManager:
+    """Blocks of one pool on pages of one backend range, every step recorded in the ledger."""
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        backend: Backend,
+        recorder: Recorder,
+        *,
+        pool: int = 0,
+        min_reserved: int = 0,
+        max_reserved: int = 0,
+        limit_pages: int | None = None,
+    ) -> None:
+        header = recorder.ledger.header
+        described = pool < len(header.pools) and header.pools[pool] == geometry.pool()
+        if not described or header.page_bytes != geometry.page_bytes:
+            raise ConfigError(f"the ledger's header does not describe pool {pool} as {geometry.pool()}")
+        if backend.page_bytes != geometry.page_bytes:
+            raise ConfigError(
+                f"backend pages are {backend.page_bytes} bytes, the KV geometry wants {geometry.page_bytes}"
+            )
+        if backend.num_pages == 0:
+            backend.reserve(geometry.backend_pages)
+        elif backend.num_pages < geometry.backend_pages:
+            raise ConfigError(f"backend range has {backend.num_pages} pages; {geometry.backend_pages} needed")
+        self.geometry = geometry
+        self.backend = backend
+        self.recorder = recorder
+        self.pool = pool
+        self._bpp = geometry.blocks_per_page
+        mapper: PageMapper = _Regions(backend, geometry) if geometry.regions > 1 else backend
+        self.allocator = PageAllocator(
+            mapper,
+            recorder,
+            base=recorder.ledger.pool_pages(pool).start,
+            min_reserved=min_reserved,
+            max_reserved=max_reserved,
+            limit=limit_pages,
+        )
+        self._allocated = bytearray(geometry.num_blocks)
+        self._used = [0] * geometry.num_pages  # allocated blocks per page
+        self._free_in: dict[int, list[int]] = {}  # in-use page -> its free blocks
+        # In-use pages with free blocks, lowest first (stale entries are skipped): filling low
+        # pages first keeps the high ones empty, so that they can be given back.
+        self._partial: list[int] = []
+        self.num_allocated = 0
+        self._bytes: torch.Tensor | None = None
+
+    @classmethod
+    def standalone(
+        cls,
+        geometry: KVGeometry,
+        backend: Backend,
+        *,
+        policy: Policy | str = Policy.LEDGER,
+        workers: int = 1,
+        journal_path: str | None = None,
+        **kw: int | None,
+    ) -> KVCacheManager:
+        """A manager with a ledger of its own (one pool), for tests, tools and single-pool use."""
+        header = Header(
+            page_bytes=geometry.page_bytes, pools=(geometry.pool(),), workers=workers, policy=Policy(policy)
+        )
+        recorder = Recorder(Ledger(header), None)
+        if journal_path is not None:
+            recorder = Recorder.for_header(header, journal_path=journal_path)
+        return cls(geometry, backend, recorder, **kw)  # type: ignore[arg-type]
+
+    # --- geometry -----------------------------------------------------------------------------
+
+    def page_of(self, block: int) -> int:
+        return block // self._bpp
+
+    def _blocks_of(self, page: int) -> range:
+        return range(page * self._bpp, min((page + 1) * self._bpp, self.geometry.num_blocks))
+
+    # --- allocation ---------------------------------------------------------------------------
+
+    def available_size(self) -> int:
+        """Blocks that ``alloc`` can hand out now (fewer while a shrink is pending)."""
+        partial = sum(len(v) for v in self._free_in.values())
+        pages = self.allocator.pages_available()
+        return min(partial + pages * self._bpp, self.geometry.num_blocks - self.num_allocated)
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` blocks, from partly used pages first; all or nothing."""
+        if n <= 0:
+            return []
+        avail = self.available_size()
+        if n > avail:
+            raise OutOfBlocksError(f"asked for {n} KV blocks, {avail} available ({self.allocator.state().describe()})")
+        out: list[int] = []
+        fresh: list[int] = []
+        partial = self._partial
+        try:
+            while len(out) < n and partial:
+                page = partial[0]
+                if page not in self._free_in:
+                    heapq.heappop(partial)
+                    continue
+                self._take(page, n - len(out), out)
+            while len(out) < n:
+                page = self.allocator.alloc_page()
+                fresh.append(page)
+                self._free_in[page] = list(reversed(self._blocks_of(page)))
+                heapq.heappush(partial, page)
+                self._take(page, n - len(out), out)
+        except (BackendError, OutOfPagesError):
+            self._give_back(out, fresh)
+            raise
+        self.recorder.emit(BlockAlloc(self.pool, tuple(out)))
+        return out
+
+    def _take(self, page: int, want: int, out: list[int]) -> None:
+        free = self._free_in[page]
+        k = min(want, len(free))
+        for _ in range(k):
+            b = free.pop()
+            self._allocated[b] = 1
+            out.append(b)
+        self._used[page] += k
+        self.num_allocated += k
+        if not free:
+            del self._free_in[page]
+
+    def _give_back(self, blocks: list[int], fresh: list[int]) -> None:
+        """Undo a partial ``alloc``: nothing was recorded yet, so only local state moves."""
+        for b in blocks:
+            page = b // self._bpp
+            self._allocated[b] = 0
+            self._used[page] -= 1
+            self.num_allocated -= 1
+            self._free_in.setdefault(page, []).append(b)
+            heapq.heappush(self._partial, page)
+        for page in fresh:
+            self._free_in.pop(page, None)
+            self.allocator.release_page(page)
+
+    def free(self, blocks: list[int] | tuple[int, ...]) -> None:
+        """Return blocks; pages left empty go back to the allocator (kept until the ledger agrees)."""
+        if not blocks:
+            return
+        seen = set()
+        for b in blocks:
+            if not 0 <= b < self.geometry.num_blocks:
+                raise BlockStateError(f"block {b} is outside pool {self.pool} ({self.geometry.num_blocks} blocks)")
+            if not self._allocated[b] or b in seen:
+                raise BlockStateError(f"block {b} of pool {self.pool} freed but not allocated")
+            seen.add(b)
+        self.recorder.emit(BlockFree(self.pool, tuple(blocks)))
+        emptied = []
+        for b in blocks:
+            page = b // self._bpp
+            self._allocated[b] = 0
+            free = self._free_in.get(page)
+            if free is None:
+                self._free_in[page] = [b]
+                heapq.heappush(self._partial, page)
+            else:
+                free.append(b)
+            self._used[page] -= 1
+            if not self._used[page]:
+                emptied.append(page)
+        self.num_allocated -= len(blocks)
+        for page in emptied:
+            del self._free_in[page]
+            self.allocator.release_page(page)
+
+    # --- memory limit -------------------------------------------------------------------------
+
+    def set_limit_pages(self, pages: int) -> AllocatorState:
+        return self.allocator.set_limit(pages)
+
+    def state(self) -> AllocatorState:
+        return self.allocator.state()
+
+    # --- the bytes ----------------------------------------------------------------------------
+
+    def block_view(self, block: int, layer: int = 0) -> torch.Tensor:
+        """The bytes of ``block`` (of ``layer``, for the per-layer layout) as a uint8 tensor."""
+        g = self.geometry
+        page, slot = divmod(block, self._bpp)
+        region = layer if g.layout is Layout.PER_LAYER else 0
+        start = (region * g.num_pages + page) * g.page_bytes + slot * g.block_bytes
+        if self._bytes is None:
+            self._bytes = self.backend.tensor()
+        return self._bytes[start : start + g.block_bytes]

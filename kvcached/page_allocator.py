@@ -1,0 +1,213 @@
+"""Pages of one KV pool: which are mapped, which are kept in reserve, and when one may go.
+
+A page is *free* (unmapped: its memory belongs to the GPU, for another model), *reserved*
+(mapped but holding no block: ready to hand out without paying for a map) or *in use* (the
+KV cache manager has blocks on it). Mapping is cheap to decide and expensive to do, unmapping
+is the reverse: it is only safe when the ledger says so. So the allocator never unmaps on its
+own judgement: it unmaps a reserved page only when the page is in the ledger's unmappable set
+and it has a reason to give memory back (more reserved pages than
+``KVCACHED_MAX_RESERVED_PAGES``, or more mapped pages than the memory limit). It learns that a
+page became unmappable from the recorder, whatever event caused it.
+
+A memory limit lowered below what is mapped starts a *shrink*: reserved pages stop being
+handed out and go as soon as the ledger lets them; pages in use go when their blocks are freed.
+``state()`` says what a pending shrink waits for.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from typing import Protocol
+
+import msgspec
+
+from .errors import BackendError, KvcachedError
+from .ledger.events import MemoryLimit, PageMapped, PageUnmapped
+from .ledger.recorder import Recorder
+
+
+class OutOfPagesError(KvcachedError):
+    """No page can be mapped: every page is in use, or the memory limit is reached."""
+
+
+class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
+    """What the allocator holds, and, during a shrink, what the shrink waits for."""
+
+    limit: int
+    mapped: int
+    in_use: int
+    reserved: int
+    free: int
+    shrink_pending: bool
+    waiting_on: dict[str, int]  # reason -> pages; empty unless a shrink is pending
+    reason: str
+
+    def describe(self) -> str:
+        head = f"{self.mapped} mapped ({self.in_use} in use, {self.reserved} reserved), limit {self.limit}"
+        return f"{head}; {self.reason}"
+
+
+class PageMapper(Protocol):
+    """What the allocator needs of a backend (a per-layer layout maps several slots per page)."""
+
+    @property
+    def num_pages(self) -> int: ...
+    def map_page(self, index: int) -> None: ...
+    def unmap_page(self, index: int) -> None: ...
+
+
+class PageAllocator:
+    """Maps, reserves and unmaps the pages ``base .. base + num_pages`` of one pool."""
+
+    def __init__(
+        self,
+        backend: PageMapper,
+        recorder: Recorder,
+        *,
+        base: int = 0,
+        min_reserved: int = 0,
+        max_reserved: int = 0,
+        limit: int | None = None,
+    ) -> None:
+        if min_reserved > max_reserved:
+            raise KvcachedError(
+                f"KVCACHED_MIN_RESERVED_PAGES={min_reserved} exceeds KVCACHED_MAX_RESERVED_PAGES={max_reserved}"
+            )
+        self.backend = backend
+        self.recorder = recorder
+        self.ledger = recorder.ledger
+        self.base = base  # ledger page id of local page 0
+        self.num_pages = backend.num_pages
+        self.min_reserved = min_reserved
+        self.max_reserved = max_reserved
+        self.limit = self.num_pages if limit is None else limit
+        self._free = list(range(self.num_pages))  # heap: low pages first, so the range stays dense
+        self._reserved: set[int] = set()
+        self._in_use: set[int] = set()
+        # Reserved pages the ledger lets go: the only pages _trim may unmap.
+        self._goable: set[int] = set()
+        recorder.subscribe(self._on_unmappable)
+
+    # --- counts -------------------------------------------------------------------------------
+
+    @property
+    def mapped(self) -> int:
+        return len(self._reserved) + len(self._in_use)
+
+    @property
+    def shrinking(self) -> bool:
+        return self.mapped > self.limit
+
+    def pages_available(self) -> int:
+        """Pages that ``alloc_page`` can hand out now without exceeding the limit."""
+        if self.shrinking:
+            return 0  # reserved pages are retiring; new ones would grow past the limit
+        return len(self._reserved) + min(len(self._free), self.limit - self.mapped)
+
+    # --- handing pages out and taking them back -----------------------------------------------
+
+    def alloc_page(self) -> int:
+        """A mapped page for new blocks: a reserved one if any, else a freshly mapped one."""
+        if self.shrinking:
+            raise OutOfPagesError(
+                f"a shrink to {self.limit} pages is pending ({self.mapped} mapped): no page can be handed out"
+            )
+        if self._reserved:
+            page = min(self._reserved)
+            self._reserved.discard(page)
+            self._goable.discard(page)
+        else:
+            page = self._map_new()
+        self._in_use.add(page)
+        self._top_up()
+        return page
+
+    def release_page(self, page: int) -> None:
+        """The manager's last block on ``page`` was freed: keep it in reserve until it may go."""
+        self._in_use.remove(page)
+        self._reserved.add(page)
+        if self.ledger.is_unmappable(self.base + page):
+            self._goable.add(page)
+        self._trim()
+
+    def _map_new(self) -> int:
+        if not self._free or self.mapped >= self.limit:
+            raise OutOfPagesError(
+                f"no page to map: {self.mapped} of {self.num_pages} mapped, limit {self.limit} "
+                "(raise the limit or KVCACHED_MAX_CACHED_TOKENS, or free blocks)"
+            )
+        page = heapq.heappop(self._free)
+        try:
+            self.backend.map_page(page)
+        except BackendError:
+            heapq.heappush(self._free, page)  # the backend rolled its side back; so do we
+            raise
+        self.recorder.emit(PageMapped(self.base + page))
+        return page
+
+    def _top_up(self) -> None:
+        """Keep ``min_reserved`` pages mapped ahead of demand, within the limit."""
+        while len(self._reserved) < self.min_reserved and self._free and self.mapped < self.limit:
+            try:
+                page = self._map_new()
+            except BackendError:
+                return  # a reserve is an optimisation; the next alloc will report the failure
+            self._reserved.add(page)
+            if self.ledger.is_unmappable(self.base + page):
+                self._goable.add(page)
+
+    # --- giving memory back -------------------------------------------------------------------
+
+    def _on_unmappable(self, pages: list[int]) -> None:
+        base, end = self.base, self.base + self.num_pages
+        for gp in pages:
+            if base <= gp < end and (gp - base) in self._reserved:
+                self._goable.add(gp - base)
+        self._trim()
+
+    def _trim(self) -> None:
+        while self._goable and (len(self._reserved) > self.max_reserved or self.mapped > self.limit):
+            page = max(self._goable)  # give back the top of the range first
+            self._goable.discard(page)
+            try:
+                self.backend.unmap_page(page)
+            except BackendError:
+                continue  # still mapped and reserved; a later trim tries again
+            self._reserved.discard(page)
+            heapq.heappush(self._free, page)
+            self.recorder.emit(PageUnmapped(self.base + page))
+
+    def set_limit(self, pages: int) -> AllocatorState:
+        """Lower or raise the limit; a lowered limit shrinks now as far as the ledger allows."""
+        self.limit = max(0, min(pages, self.num_pages))
+        self.recorder.emit(MemoryLimit(self.limit))
+        self._trim()
+        if not self.shrinking:
+            self._top_up()
+        return self.state()
+
+    def state(self) -> AllocatorState:
+        waiting: Counter[str] = Counter()
+        if self.shrinking:
+            for page in self._reserved - self._goable:
+                status = self.ledger.why(self.base + page)
+                kinds = "+".join(sorted({p.kind for p in status.pins})) or "nothing (policy)"
+                waiting["reserved, pinned by " + kinds] += 1
+            if len(self._in_use) > self.limit:  # these must empty before they can go
+                waiting["in use (blocks allocated)"] = len(self._in_use) - self.limit
+            over = self.mapped - self.limit
+            detail = ", ".join(f"{n} {why}" for why, n in sorted(waiting.items()))
+            reason = f"shrink pending: {over} page(s) over the limit; waiting on {detail}"
+        else:
+            reason = "within the limit"
+        return AllocatorState(
+            limit=self.limit,
+            mapped=self.mapped,
+            in_use=len(self._in_use),
+            reserved=len(self._reserved),
+            free=len(self._free),
+            shrink_pending=self.shrinking,
+            waiting_on=dict(waiting),
+            reason=reason,
+        )
