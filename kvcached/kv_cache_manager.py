@@ -153,6 +153,7 @@ class KVCacheManager:
         # In-use pages with free blocks, lowest first (stale entries are skipped): filling low
         # pages first keeps the high ones empty, so that they can be given back.
         self._partial: list[int] = []
+        self._partial_free = 0  # sum of len(self._free_in[p])
         self.num_allocated = 0
         self._bytes: torch.Tensor | None = None
 
@@ -188,9 +189,8 @@ class KVCacheManager:
 
     def available_size(self) -> int:
         """Blocks that ``alloc`` can hand out now (fewer while a shrink is pending)."""
-        partial = sum(len(v) for v in self._free_in.values())
         pages = self.allocator.pages_available()
-        return min(partial + pages * self._bpp, self.geometry.num_blocks - self.num_allocated)
+        return min(self._partial_free + pages * self._bpp, self.geometry.num_blocks - self.num_allocated)
 
     def alloc(self, n: int) -> list[int]:
         """``n`` blocks, from partly used pages first; all or nothing."""
@@ -213,6 +213,7 @@ class KVCacheManager:
                 page = self.allocator.alloc_page()
                 fresh.append(page)
                 self._free_in[page] = list(reversed(self._blocks_of(page)))
+                self._partial_free += len(self._free_in[page])
                 heapq.heappush(partial, page)
                 self._take(page, n - len(out), out)
         except (BackendError, OutOfPagesError):
@@ -230,6 +231,7 @@ class KVCacheManager:
             out.append(b)
         self._used[page] += k
         self.num_allocated += k
+        self._partial_free -= k
         if not free:
             del self._free_in[page]
 
@@ -240,23 +242,25 @@ class KVCacheManager:
             self._allocated[b] = 0
             self._used[page] -= 1
             self.num_allocated -= 1
+            self._partial_free += 1
             self._free_in.setdefault(page, []).append(b)
             heapq.heappush(self._partial, page)
         for page in fresh:
-            self._free_in.pop(page, None)
+            self._partial_free -= len(self._free_in.pop(page, ()))
             self.allocator.release_page(page)
 
     def free(self, blocks: list[int] | tuple[int, ...]) -> None:
         """Return blocks; pages left empty go back to the allocator (kept until the ledger agrees)."""
         if not blocks:
             return
-        seen = set()
+        allocated, nb = self._allocated, self.geometry.num_blocks
         for b in blocks:
-            if not 0 <= b < self.geometry.num_blocks:
-                raise BlockStateError(f"block {b} is outside pool {self.pool} ({self.geometry.num_blocks} blocks)")
-            if not self._allocated[b] or b in seen:
+            if not 0 <= b < nb:
+                raise BlockStateError(f"block {b} is outside pool {self.pool} ({nb} blocks)")
+            if not allocated[b]:
                 raise BlockStateError(f"block {b} of pool {self.pool} freed but not allocated")
-            seen.add(b)
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
+            raise BlockStateError(f"a block of pool {self.pool} appears twice in one free: {sorted(blocks)}")
         self.recorder.emit(BlockFree(self.pool, tuple(blocks)))
         emptied = []
         for b in blocks:
@@ -272,8 +276,9 @@ class KVCacheManager:
             if not self._used[page]:
                 emptied.append(page)
         self.num_allocated -= len(blocks)
+        self._partial_free += len(blocks)
         for page in emptied:
-            del self._free_in[page]
+            self._partial_free -= len(self._free_in.pop(page))
             self.allocator.release_page(page)
 
     # --- memory limit -------------------------------------------------------------------------

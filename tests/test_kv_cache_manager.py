@@ -43,6 +43,14 @@ def write(m: KVCacheManager, block: int, value: int) -> None:
     m.block_view(block).fill_(value)
 
 
+def consistent(m: KVCacheManager) -> None:
+    """The manager's incremental counts agree with its block and page state."""
+    assert m._partial_free == sum(len(v) for v in m._free_in.values())
+    assert m.num_allocated == sum(m._allocated) == sum(m._used)
+    for page, free in m._free_in.items():
+        assert len(free) + m._used[page] == len(m._blocks_of(page))
+
+
 def late_copy(m: KVCacheManager, block: int) -> torch.Tensor:
     """What a store job that runs now copies out of ``block`` (a real copy of real bytes)."""
     return m.block_view(block).clone()
@@ -74,6 +82,7 @@ def test_alloc_prefers_partly_used_pages_and_maps_lazily(make) -> None:
     c = m.alloc(1)
     assert m.page_of(c[0]) == 0  # the low, partly used page, not a new one
     assert m.num_allocated == 3
+    consistent(m)
 
 
 def test_alloc_is_all_or_nothing_and_available_size_is_exact(make) -> None:
@@ -84,8 +93,10 @@ def test_alloc_is_all_or_nothing_and_available_size_is_exact(make) -> None:
     with pytest.raises(OutOfBlocksError, match="asked for 3 KV blocks, 2 available"):
         m.alloc(3)
     assert m.num_allocated == 30
+    consistent(m)
     m.free(got)
     assert m.available_size() == 32
+    consistent(m)
 
 
 def test_double_free_and_foreign_block_are_refused(make) -> None:
@@ -268,8 +279,10 @@ def test_a_failing_map_is_rolled_back_with_nothing_leaked(make, monkeypatch) -> 
     with pytest.raises(BackendError, match="injected"):
         m.alloc(3)  # takes page 0's last block, then needs page 1
     assert (m.available_size(), m.num_allocated, m.backend.mapped_count, m.recorder.ledger.index) == before
+    consistent(m)
     monkeypatch.setattr(HostBackend, "_map", real)
     assert len(m.alloc(3)) == 3  # and the pool still works
+    consistent(m)
     m.free(kept)
     assert m.recorder.ledger.violations == []
 
