@@ -205,6 +205,10 @@ class Ledger:
             "dropped_events": self.dropped_events,
         }
 
+    def pending_grace_pages(self) -> int:
+        """Pages held only until a coming build: the engine must keep building to drain them."""
+        return len(self._grace)
+
     def outstanding_jobs(self) -> int:
         return len(self._jobs)
 

@@ -1,0 +1,189 @@
+"""Ledger events from vLLM's OffloadingConnector, with vLLM left exactly as it is.
+
+The connector copies blocks after vLLM has freed them (the seed's three cases), and vLLM only
+waits for such a copy when it reallocates a block. kvcached must therefore learn, from the
+connector's own public calls, which pages a copy may still read or write. ``install_bridge``
+wraps the scheduler-side connector *instance* (its bound methods are shadowed by attributes on
+that one object; no class and no module of vLLM changes) and turns each call into events:
+
+* ``on_new_request``: the request is named (interned to a small integer);
+* ``get_num_new_matched_tokens``: native matching drops the request's old block lists, so its
+  window holds end (the reviewer's P2); in-flight job pins are untouched;
+* ``build_connector_meta``: window holds for blocks newly given to sliding-window (and non-align
+  Mamba) groups, one ``JobBuilt`` per load and store job with its GPU block ids, preempted and
+  finished requests, then the build boundary;
+* ``update_connector_output``: one ``JobReported`` per job per step, with the summed count;
+* ``has_pending_push_work``: also true while grace pins still need a build to drain, so that
+  an idle engine keeps stepping until every page the ledger holds can go.
+
+vLLM keeps one block pool for all KV groups (a block id names the same slot in every group's
+tensors), so the ledger sees a single pool, 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigError
+from ..ledger.events import (
+    BuildBoundary,
+    Event,
+    JobBuilt,
+    JobKind,
+    JobReported,
+    RequestAdded,
+    RequestFinished,
+    RequestPreempted,
+    WindowHold,
+    WindowRelease,
+)
+from ..ledger.recorder import Recorder
+
+POOL = 0
+
+
+def window_groups(kv_cache_config: Any) -> frozenset[int]:
+    """KV groups whose freed blocks the connector may still store later: sliding-window groups,
+    and Mamba groups outside "align" mode (whose states are not stored in the handing-off pass)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    out = set()
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        mamba_not_aligned = isinstance(spec, MambaSpec) and getattr(spec, "mamba_cache_mode", None) != "align"
+        if isinstance(spec, SlidingWindowSpec) or mamba_not_aligned:
+            out.add(i)
+    return frozenset(out)
+
+
+def _block_ids(spec: Any) -> tuple[int, ...]:
+    ids = spec.block_ids
+    return tuple(int(b) for b in (ids.tolist() if hasattr(ids, "tolist") else ids))
+
+
+class Bridge:
+    """Holds the wrapped connector's originals and the request-id interning."""
+
+    def __init__(self, connector: Any, recorder: Recorder, *, workers: int, windows: frozenset[int]) -> None:
+        self.connector = connector
+        self.recorder = recorder
+        self.workers = workers
+        self.windows = windows
+        self.build = 0
+        self._req_ids: dict[str, int] = {}
+        self._next_req = 0
+        self._held: set[int] = set()  # requests with window holds
+        self._orig: dict[str, Callable[..., Any]] = {}
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def req(self, request_id: str) -> int:
+        r = self._req_ids.get(request_id)
+        if r is None:
+            r = self._next_req
+            self._next_req += 1
+            self._req_ids[request_id] = r
+            self.recorder.emit(RequestAdded(r, request_id))
+        return r
+
+    def _emit(self, ev: Event) -> None:
+        self.recorder.emit(ev)
+
+    # --- the wrapped calls --------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> Any:
+        self.req(request.request_id)
+        return self._orig["on_new_request"](request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        r = self._req_ids.get(request.request_id)
+        if r is not None and r in self._held:
+            # The connector is about to clear this request's old block lists: nothing it holds
+            # a window for can be stored any more (P2). Job pins stay with their jobs.
+            self._held.discard(r)
+            self._emit(WindowRelease(r))
+        return self._orig["get_num_new_matched_tokens"](request, num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self.windows:
+            self._hold_windows(scheduler_output)
+        meta = self._orig["build_connector_meta"](scheduler_output)
+        emit, workers = self._emit, self.workers
+        for job_id, job in meta.load_jobs.items():
+            emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (_block_ids(job.dst_spec),), workers))
+        for job_id, job in meta.store_jobs.items():
+            emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (_block_ids(job.src_spec),), workers))
+        for rid in scheduler_output.preempted_req_ids or ():
+            emit(RequestPreempted(self.req(rid)))
+        for rid in scheduler_output.finished_req_ids or ():
+            r = self._req_ids.pop(rid, None)
+            if r is not None:
+                self._held.discard(r)
+                emit(RequestFinished(r))
+        emit(BuildBoundary(self.build))
+        self.build += 1
+        return meta
+
+    def _hold_windows(self, so: Any) -> None:
+        for new in so.scheduled_new_reqs:
+            self._hold(new.req_id, new.block_ids)
+        cached = so.scheduled_cached_reqs
+        for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if groups is not None:
+                self._hold(rid, groups)
+
+    def _hold(self, request_id: str, groups: tuple[list[int], ...]) -> None:
+        blocks = tuple(b for g in self.windows if g < len(groups) for b in groups[g] if b)
+        if blocks:
+            r = self.req(request_id)
+            self._held.add(r)
+            self._emit(WindowHold(r, POOL, blocks))
+
+    def update_connector_output(self, connector_output: Any) -> Any:
+        out = self._orig["update_connector_output"](connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        completed = getattr(meta, "completed_jobs", None)
+        if completed:
+            for job_id, count in completed.items():
+                self._emit(JobReported(int(job_id), int(count)))
+        return out
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._orig["has_pending_push_work"]()) or self.recorder.ledger.pending_grace_pages() > 0
+
+
+WRAPPED = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "build_connector_meta",
+    "update_connector_output",
+    "has_pending_push_work",
+)
+
+
+def install_bridge(scheduler: Any, recorder: Recorder) -> Bridge:
+    """Wrap ``scheduler.connector`` (a scheduler-role OffloadingConnector) to feed ``recorder``.
+
+    Refuses, with one line saying what to change, a scheduler without an OffloadingConnector or
+    with pipeline parallelism the bridge does not cover.
+    """
+    connector = getattr(scheduler, "connector", None)
+    name = type(connector).__name__
+    if connector is None or name != "OffloadingConnector":
+        raise ConfigError(
+            f"kvcached's offloading bridge needs vLLM's OffloadingConnector as the only KV connector; "
+            f"this scheduler has {name if connector is not None else 'none'}: set "
+            "kv_transfer_config={'kv_connector': 'OffloadingConnector', ...} or disable kvcached"
+        )
+    if getattr(connector, "_kvcached_bridge", None) is not None:
+        raise ConfigError("kvcached's offloading bridge is already installed on this connector")
+    parallel = scheduler.vllm_config.parallel_config
+    bridge = Bridge(
+        connector, recorder, workers=int(parallel.world_size), windows=window_groups(scheduler.kv_cache_config)
+    )
+    for name in WRAPPED:
+        bridge._orig[name] = getattr(connector, name)
+        setattr(connector, name, getattr(bridge, name))
+    connector._kvcached_bridge = bridge
+    return bridge

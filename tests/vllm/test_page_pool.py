@@ -1,0 +1,87 @@
+"""The page-aware pool over vLLM's real BlockPool: ids from kvcached, prefix caching kept."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+vllm_block_pool = pytest.importorskip("vllm.v1.core.block_pool")
+pytestmark = pytest.mark.vllm
+
+from kvcached.backends.host import HostBackend  # noqa: E402
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
+from kvcached.ledger.events import BuildBoundary  # noqa: E402
+from kvcached.vllm_bridge.block_pool import install_page_aware_pool  # noqa: E402
+
+PAGE = 64 * 1024
+
+
+def setup(num_blocks: int = 32, caching: bool = True):
+    pool = vllm_block_pool.BlockPool(num_gpu_blocks=num_blocks, enable_caching=caching, hash_block_size=16)
+    geo = KVGeometry(num_blocks=num_blocks, block_bytes=16 * 1024, page_bytes=PAGE)  # 4 blocks a page
+    m = KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE))
+    wrapper = install_page_aware_pool(SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)), m)
+    return pool, m, wrapper
+
+
+def cache(pool, blocks) -> None:
+    """What vLLM's cache_full_blocks does to a full block: give it a hash, index it."""
+    for i, blk in enumerate(blocks):
+        pool._insert_block_hash((b"h%d" % blk.block_id, 0), blk, num_tokens=16)
+        assert blk.block_hash is not None, i
+
+
+def ids(blocks) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def test_new_blocks_come_from_partly_used_pages_and_pages_empty_out() -> None:
+    pool, m, _ = setup()
+    a = pool.get_new_blocks(3)  # page 0 holds the null block and these
+    assert ids(a) == [1, 2, 3]
+    b = pool.get_new_blocks(4)
+    assert {m.page_of(x) for x in ids(b)} == {1}
+    pool.free_blocks(b)  # no hash: back to kvcached
+    m.recorder.emit(BuildBoundary(0))
+    assert m.backend.mapped_count == 1  # page 1 went back, page 0 still in use
+    assert pool.get_num_free_blocks() == 32 - 4
+    assert m.recorder.ledger.violations == []
+
+
+def test_cached_blocks_keep_their_page_until_evicted_or_reset() -> None:
+    pool, m, w = setup()
+    a = pool.get_new_blocks(4)  # 1, 2, 3 on page 0; 4 on page 1
+    cache(pool, a)
+    pool.free_blocks(a)
+    m.recorder.emit(BuildBoundary(0))
+    assert m.backend.mapped_count == 2  # cached blocks hold their pages
+    assert list(w.evictable) == [1, 2, 3, 4]
+    pool.touch([a[0]])  # a prefix hit takes block 1 back
+    assert list(w.evictable) == [2, 3, 4]
+    assert pool.reset_prefix_cache() is False  # block 1 is in use
+    pool.free_blocks([a[0]])
+    assert pool.reset_prefix_cache() is True
+    m.recorder.emit(BuildBoundary(1))
+    assert m.backend.mapped_count == 1 and w.evictable == {}
+    assert m.recorder.ledger.violations == []
+
+
+def test_eviction_in_lru_order_when_kvcached_has_no_free_blocks() -> None:
+    pool, m, w = setup(num_blocks=8)
+    a = pool.get_new_blocks(7)
+    cache(pool, a)
+    pool.free_blocks(a)
+    assert m.available_size() == 0 and pool.get_num_free_blocks() == 7
+    b = pool.get_new_blocks(2)
+    assert ids(b) == ids(a[:2])  # the least recently freed cached blocks, as vLLM would pick
+    assert b[0].block_hash is None  # evicted from the prefix cache
+    assert pool.get_num_free_blocks() == 5
+
+
+def test_a_lowered_limit_is_seen_by_the_scheduler() -> None:
+    pool, m, _ = setup()
+    m.set_limit_pages(2)
+    assert pool.get_num_free_blocks() == 8 - 1  # two pages, minus the null block
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(8)
