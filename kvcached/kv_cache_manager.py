@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -83,28 +84,33 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
         return PoolGeometry(block_bytes=self.block_bytes, num_blocks=self.num_blocks)
 
 
-class _Regions:
-    """Logical page ``p`` = slot ``p`` of every layer's region; all or none of them mapped."""
+class _Slots:
+    """Logical page ``p`` = slot ``p`` of every layer's region of every backend (tensor-parallel
+    ranks each hold their own copy of the KV and follow the same map/unmap decisions); all of
+    them are mapped or none."""
 
-    def __init__(self, backend: Backend, geometry: KVGeometry) -> None:
-        self.backend = backend
+    def __init__(self, backends: Sequence[Backend], geometry: KVGeometry) -> None:
+        self.backends = tuple(backends)
         self.num_pages = geometry.num_pages
         self._regions = geometry.regions
 
+    def _slots(self, index: int) -> list[tuple[Backend, int]]:
+        return [(b, r * self.num_pages + index) for b in self.backends for r in range(self._regions)]
+
     def map_page(self, index: int) -> None:
-        done: list[int] = []
+        done: list[tuple[Backend, int]] = []
         try:
-            for r in range(self._regions):
-                self.backend.map_page(r * self.num_pages + index)
-                done.append(r * self.num_pages + index)
+            for backend, slot in self._slots(index):
+                backend.map_page(slot)
+                done.append((backend, slot))
         except BackendError:
-            for slot in done:
-                self.backend.unmap_page(slot)
+            for backend, slot in done:
+                backend.unmap_page(slot)
             raise
 
     def unmap_page(self, index: int) -> None:
-        for r in range(self._regions):
-            self.backend.unmap_page(r * self.num_pages + index)
+        for backend, slot in self._slots(index):
+            backend.unmap_page(slot)
 
 
 class KVCacheManager:
@@ -120,25 +126,28 @@ class KVCacheManager:
         min_reserved: int = 0,
         max_reserved: int = 0,
         limit_pages: int | None = None,
+        replicas: Sequence[Backend] = (),
     ) -> None:
         header = recorder.ledger.header
         described = pool < len(header.pools) and header.pools[pool] == geometry.pool()
         if not described or header.page_bytes != geometry.page_bytes:
             raise ConfigError(f"the ledger's header does not describe pool {pool} as {geometry.pool()}")
-        if backend.page_bytes != geometry.page_bytes:
-            raise ConfigError(
-                f"backend pages are {backend.page_bytes} bytes, the KV geometry wants {geometry.page_bytes}"
-            )
-        if backend.num_pages == 0:
-            backend.reserve(geometry.backend_pages)
-        elif backend.num_pages < geometry.backend_pages:
-            raise ConfigError(f"backend range has {backend.num_pages} pages; {geometry.backend_pages} needed")
+        for b in (backend, *replicas):
+            if b.page_bytes != geometry.page_bytes:
+                want = geometry.page_bytes
+                raise ConfigError(f"backend pages are {b.page_bytes} bytes, the KV geometry wants {want}")
+            if b.num_pages == 0:
+                b.reserve(geometry.backend_pages)
+            elif b.num_pages < geometry.backend_pages:
+                raise ConfigError(f"backend range has {b.num_pages} pages; {geometry.backend_pages} needed")
         self.geometry = geometry
         self.backend = backend
+        self.replicas = tuple(replicas)
         self.recorder = recorder
         self.pool = pool
         self._bpp = geometry.blocks_per_page
-        mapper: PageMapper = _Regions(backend, geometry) if geometry.regions > 1 else backend
+        simple = geometry.regions == 1 and not replicas
+        mapper: PageMapper = backend if simple else _Slots((backend, *replicas), geometry)
         self.allocator = PageAllocator(
             mapper,
             recorder,
@@ -155,7 +164,7 @@ class KVCacheManager:
         self._partial: list[int] = []
         self._partial_free = 0  # sum of len(self._free_in[p])
         self.num_allocated = 0
-        self._bytes: torch.Tensor | None = None
+        self._bytes: dict[int, torch.Tensor] = {}
 
     @classmethod
     def standalone(
@@ -291,12 +300,17 @@ class KVCacheManager:
 
     # --- the bytes ----------------------------------------------------------------------------
 
-    def block_view(self, block: int, layer: int = 0) -> torch.Tensor:
+    def range_view(self, replica: int = 0) -> torch.Tensor:
+        """The whole range of the primary backend (replica 0) or of a replica, as uint8."""
+        t = self._bytes.get(replica)
+        if t is None:
+            t = self._bytes[replica] = (self.backend, *self.replicas)[replica].tensor()
+        return t
+
+    def block_view(self, block: int, layer: int = 0, replica: int = 0) -> torch.Tensor:
         """The bytes of ``block`` (of ``layer``, for the per-layer layout) as a uint8 tensor."""
         g = self.geometry
         page, slot = divmod(block, self._bpp)
         region = layer if g.layout is Layout.PER_LAYER else 0
         start = (region * g.num_pages + page) * g.page_bytes + slot * g.block_bytes
-        if self._bytes is None:
-            self._bytes = self.backend.tensor()
-        return self._bytes[start : start + g.block_bytes]
+        return self.range_view(replica)[start : start + g.block_bytes]

@@ -27,3 +27,26 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt
     .venv/bin/python -c 'import kvcached, kvreplay, msgspec, anyio, torch, mypyc'
     touch "$stamp"
 fi
+
+# vLLM 0.33.0 (what GPU users install) lives in .venv-vllm: it pins its own torch, which
+# cannot share an environment with the CPU torch above. The bridge's scenario tests run there.
+ensure_vllm_env() {
+    local stamp=.venv-vllm/.kvcached-installed
+    if [ ! -x .venv-vllm/bin/python ]; then
+        "$PY" -m venv .venv-vllm
+    fi
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt "$stamp" ]; then
+        local log rc=0
+        log=$(mktemp)
+        {
+            .venv-vllm/bin/python -m pip install -q --upgrade pip &&
+            .venv-vllm/bin/python -m pip install -q vllm==0.33.0 &&
+            KVCACHED_MYPYC=0 .venv-vllm/bin/python -m pip install -q -e '.[test]'
+        } >"$log" 2>&1 || rc=$?
+        grep -v '^WARNING: Location' "$log" || true
+        rm -f "$log"
+        [ "$rc" -eq 0 ] || return "$rc"
+        .venv-vllm/bin/python -c 'import vllm, kvcached, msgspec; assert vllm.__version__ == "0.33.0", vllm.__version__'
+        touch "$stamp"
+    fi
+}

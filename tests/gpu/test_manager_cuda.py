@@ -75,7 +75,7 @@ def test_freed_block_copy_on_gpu(policy: str) -> None:
         assert backend.mapped_count == 0  # given back in the end, either way
     finally:
         del host
-        m._bytes = None
+        m._bytes.clear()
         backend.close()
     after = _free_bytes()
     assert abs(before - after) <= 2 * MiB, f"GPU memory not returned: {before - after} bytes"
