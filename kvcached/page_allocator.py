@@ -9,9 +9,10 @@ and it has a reason to give memory back (more reserved pages than
 ``KVCACHED_MAX_RESERVED_PAGES``, or more mapped pages than the memory limit). It learns that a
 page became unmappable from the recorder, whatever event caused it.
 
-A memory limit lowered below what is mapped starts a *shrink*: reserved pages stop being
-handed out and go as soon as the ledger lets them; pages in use go when their blocks are freed.
-``state()`` says what a pending shrink waits for.
+A memory limit lowered below what is mapped starts a *shrink*: no page is mapped, reserved
+pages go as soon as the ledger lets them, pages in use when their blocks are freed. Reserved
+pages that pins keep mapped stay in service meanwhile (refusing them can deadlock, see
+``pages_available``). ``state()`` says what a pending shrink waits for.
 """
 
 from __future__ import annotations
@@ -102,7 +103,11 @@ class PageAllocator:
     def pages_available(self) -> int:
         """Pages that ``alloc_page`` can hand out now without exceeding the limit."""
         if self.shrinking:
-            return 0  # reserved pages are retiring; new ones would grow past the limit
+            # No new page is mapped, and pages the ledger lets go are kept for the shrink; but a
+            # reserved page that pins keep mapped anyway stays in service. Refusing it could
+            # deadlock: the pins may belong to a request that only lets go once it runs again
+            # (the reviewer's P2: window holds of a preempted request).
+            return len(self._reserved) - len(self._goable)
         return len(self._reserved) + min(len(self._free), self.limit - self.mapped)
 
     # --- handing pages out and taking them back -----------------------------------------------
@@ -110,10 +115,14 @@ class PageAllocator:
     def alloc_page(self) -> int:
         """A mapped page for new blocks: a reserved one if any, else a freshly mapped one."""
         if self.shrinking:
-            raise OutOfPagesError(
-                f"a shrink to {self.limit} pages is pending ({self.mapped} mapped): no page can be handed out"
-            )
-        if self._reserved:
+            pinned = self._reserved - self._goable
+            if not pinned:
+                raise OutOfPagesError(
+                    f"a shrink to {self.limit} pages is pending ({self.mapped} mapped): no page can be handed out"
+                )
+            page = min(pinned)
+            self._reserved.discard(page)
+        elif self._reserved:
             page = min(self._reserved)
             self._reserved.discard(page)
             self._goable.discard(page)

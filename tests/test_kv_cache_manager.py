@@ -10,7 +10,15 @@ import torch
 from kvcached.backends.host import HostBackend
 from kvcached.errors import BackendError, ConfigError
 from kvcached.kv_cache_manager import BlockStateError, KVCacheManager, KVGeometry, Layout, OutOfBlocksError
-from kvcached.ledger.events import BuildBoundary, JobBuilt, JobKind, JobReported, RequestFinished, WindowHold
+from kvcached.ledger.events import (
+    BuildBoundary,
+    JobBuilt,
+    JobKind,
+    JobReported,
+    RequestFinished,
+    WindowHold,
+    WindowRelease,
+)
 from kvcached.ledger.journal import read_journal
 from kvcached.page_allocator import OutOfPagesError
 from kvcached.settings import Settings
@@ -230,14 +238,37 @@ def test_lowering_the_limit_waits_on_pins_and_finishes_as_they_drop(make) -> Non
     assert st.shrink_pending
     assert st.waiting_on == {"reserved, pinned by job": 2}
     assert "pinned by job" in st.reason
-    assert m.available_size() == 0  # retiring pages are not handed out
+    # Pages the pins keep mapped anyway stay in service, but nothing new is mapped.
+    assert m.available_size() == 8
     with pytest.raises(OutOfBlocksError, match="shrink pending"):
-        m.alloc(1)
+        m.alloc(9)
+    assert m.backend.mapped_count == 4
     rec.emit(JobReported(5, 1))
     st = m.state()
     assert not st.shrink_pending and st.mapped == 2
     assert rec.ledger.violations == []
     m.free(a)
+
+
+def test_pinned_pages_stay_in_service_during_a_shrink_p2(make) -> None:
+    """P2: window holds of a preempted request pin pages over the limit. Refusing those pages
+    would deadlock (the request lets go only when it runs again); reusing them does not."""
+    m = make("ledger", max_reserved=8)
+    rec = m.recorder
+    a = m.alloc(16)  # pages 0-3
+    rec.emit(WindowHold(7, 0, tuple(a[8:])))  # request 7's window blocks on pages 2, 3
+    m.free(a)  # request 7 preempted: all its blocks freed
+    rec.emit(BuildBoundary(0))
+    st = m.set_limit_pages(1)
+    assert st.shrink_pending and st.waiting_on == {"reserved, pinned by window": 2}
+    assert m.state().mapped == 2  # pages 0, 1 went at once
+    again = m.alloc(8)  # the request resumes on the pinned pages: no new map
+    assert {m.page_of(b) for b in again} == {2, 3} and m.backend.mapped_count == 2
+    rec.emit(WindowRelease(7))  # matching dropped its old block lists
+    m.free(again)
+    rec.emit(BuildBoundary(1))
+    assert m.state().mapped == 1 and not m.state().shrink_pending
+    assert rec.ledger.violations == []
 
 
 def test_shrink_below_pages_in_use_completes_when_blocks_are_freed(make) -> None:

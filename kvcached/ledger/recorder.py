@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Protocol
 
 from ..errors import JournalWriteError
 from .events import Event, Header
@@ -23,12 +24,21 @@ log = logging.getLogger("kvcached.ledger")
 JOURNAL_ENV = "KVCACHED_LEDGER_JOURNAL"
 
 
+class EventSink(Protocol):
+    """Where events go off the hot path (the journal service's producer end)."""
+
+    def put(self, event: Event) -> None: ...
+
+
 class Recorder:
     """Applies events to ``ledger`` and, if ``journal`` is set, journals them in batches."""
 
-    def __init__(self, ledger: Ledger, journal: JournalWriter | None = None, *, batch: int = 256) -> None:
+    def __init__(
+        self, ledger: Ledger, journal: JournalWriter | None = None, *, batch: int = 256, sink: EventSink | None = None
+    ) -> None:
         self.ledger = ledger
         self.journal = journal
+        self.sink = sink  # e.g. BackgroundService(...).producer: journaled by the service instead
         self._batch = batch
         self._pending: list[Event] = []
         self._listeners: list[Callable[[list[int]], None]] = []
@@ -47,7 +57,9 @@ class Recorder:
     def emit(self, event: Event) -> None:
         ledger = self.ledger
         ledger.apply(event)
-        if self.journal is not None:
+        if self.sink is not None:
+            self.sink.put(event)
+        elif self.journal is not None:
             self._pending.append(event)
             if len(self._pending) >= self._batch:
                 self.flush()

@@ -68,7 +68,7 @@ def test_cached_blocks_keep_their_page_until_evicted_or_reset() -> None:
 
 
 def test_eviction_in_lru_order_when_kvcached_has_no_free_blocks() -> None:
-    pool, m, w = setup(num_blocks=8)
+    pool, m, _ = setup(num_blocks=8)
     a = pool.get_new_blocks(7)
     cache(pool, a)
     pool.free_blocks(a)
