@@ -1,0 +1,480 @@
+"""The live view: a Unix socket where ``kvctl`` asks the ledger service which pages are pinned and why.
+
+The protocol is deliberately small so that any client can speak it: every message, in both
+directions, is a 4-byte big-endian length followed by that many bytes of msgpack. A request is a
+map ``{"op": "pins" | "status" | "why" | "tail", "page": int, "limit": int}`` (at most
+``MAX_REQUEST`` bytes); a reply is a map whose ``type`` field names it (``pins``, ``status``,
+``why``, ``events``, ``error``). ``tail`` turns the connection into a stream of ``events``
+replies, one per journal batch, whose ``events`` field is the batch's msgpack array of events
+exactly as the journal holds it (encoded once, for every client and the journal). Answers come
+from the service's ledger replica on the service's loop, never from the scheduler's ledger.
+The socket lives in a directory only its owner can open (0700, checked, never loosened for the
+caller), and is itself 0600: the directory is what keeps others out, since it exists before the
+socket does. A client that stops reading is dropped once its bounded queue is full, so it
+cannot slow the service or the other clients; a malformed or oversized request gets an
+``error`` reply and the connection is closed, and nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Final, Literal
+
+import anyio
+import anyio.abc
+import msgspec
+from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ..errors import ConfigError, KvcachedError
+from .events import Event
+from .findings import PageStatus
+
+if TYPE_CHECKING:
+    from .ledger import Ledger
+    from .service import LedgerService
+
+log = logging.getLogger("kvcached.ledger.live")
+
+SOCKET_ENV: Final = "KVCACHED_LEDGER_SOCKET"
+MAX_REQUEST: Final = 4096
+MAX_REPLY: Final = 256 << 20
+_LEN: Final = struct.Struct(">I")
+
+
+class LiveViewError(KvcachedError):
+    """The live view cannot be reached or answered with an error (one line, for kvctl)."""
+
+
+# --- messages -------------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    op: Literal["pins", "status", "why", "tail"]
+    page: int | None = None  # for why
+    limit: int | None = None  # for pins: at most this many rows
+
+
+class PinRow(msgspec.Struct, frozen=True, array_like=True):
+    """One pin on one page; a page with three pins has three rows."""
+
+    page: int
+    kind: Literal["job", "grace", "window"]
+    since_build: int
+    job: int | None = None
+    job_kind: Literal["store", "load"] | None = None
+    request: str | None = None
+    waiting_workers: int | None = None
+    until_build: int | None = None
+
+
+class PinsReply(msgspec.Struct, frozen=True, kw_only=True, tag="pins", tag_field="type"):
+    index: int  # events applied by the replica
+    build: int
+    pinned_pages: int
+    lossy: bool  # the replica saw a gap: pins may be missing or stale
+    truncated: bool
+    rows: list[PinRow]
+
+
+class JournalStatus(msgspec.Struct, frozen=True, kw_only=True):
+    state: Literal["off", "starting", "writing", "stopped", "closed"]
+    path: str | None
+    durability: str
+    segment: int
+    segment_bytes: int
+    events_written: int  # global index after the last event written (page cache at least)
+    events_durable: int  # global index after the last event known fsynced
+    snapshot_index: int | None
+    error: str | None
+
+
+class HandoffStatus(msgspec.Struct, frozen=True, kw_only=True):
+    capacity: int
+    queued: int
+    dropped: int
+    gaps: int
+    episodes: int
+
+
+class LedgerCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """The replica's view; it lags the engine by what the hand-off holds."""
+
+    policy: str
+    index: int  # events applied
+    build: int
+    num_pages: int
+    mapped_pages: int
+    pinned_pages: int
+    unmappable_pages: int
+    outstanding_jobs: int
+    violations: int
+    lossy: bool  # a gap was applied: the counts may be off by what was dropped
+    dropped_events: int  # the sum of the gaps applied
+
+
+class StatusReply(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_field="type"):
+    pid: int
+    uptime_s: float
+    events: int  # events the service has taken from the hand-off
+    ledger: LedgerCounts | None  # None: the service keeps no replica
+    journal: JournalStatus
+    handoff: HandoffStatus
+    clients: int
+    dropped_clients: int
+
+
+class WhyReply(msgspec.Struct, frozen=True, tag="why", tag_field="type"):
+    status: PageStatus
+
+
+class EventsReply(msgspec.Struct, frozen=True, tag="events", tag_field="type"):
+    first: int  # global index of the first event
+    events: msgspec.Raw  # a msgpack array of events, as in a journal frame
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
+    message: str
+
+
+Reply = PinsReply | StatusReply | WhyReply | EventsReply | ErrorReply
+
+_encoder: Final = msgspec.msgpack.Encoder()
+
+
+def frame(message: Request | Reply) -> bytes:
+    body = _encoder.encode(message)
+    return _LEN.pack(len(body)) + body
+
+
+# --- the pins table ---------------------------------------------------------------------------
+
+
+def pin_rows(lg: Ledger) -> list[PinRow]:
+    """Every pin of the ledger, by page, in the order and with the values of ``Ledger.why``.
+
+    Reads the ledger's pin tables once instead of calling ``why`` per page: ``why`` builds two
+    structs and sorts per page, about 10 us, which is 100 ms for 10,000 pinned pages.
+    tests/test_live.py checks the two against each other.
+    """
+    # (page, kind order, job or request id, row): the keys are unique, so rows are never compared.
+    keyed: list[tuple[int, int, int, PinRow]] = []
+    add = keyed.append
+    jobs, names, build = lg._jobs, lg._names, lg.build
+    for page, page_jobs in lg._page_jobs.items():
+        for job in page_jobs:
+            kind, req, _, workers, reported, since, _ = jobs[job]
+            name = names.get(req)
+            request = f"r{req}" if name is None else name  # as Ledger.request_name
+            row = PinRow(page, "job", since, job, "load" if kind else "store", request, workers - reported)
+            add((page, 0, job, row))
+    for page in lg._grace:
+        add((page, 1, 0, PinRow(page, "grace", build, until_build=build)))
+    for page, holds in lg._holds.items():
+        for req, since in holds.items():
+            add((page, 2, req, PinRow(page, "window", since, request=lg.request_name(req))))
+    keyed.sort()
+    return [k[3] for k in keyed]
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+def prepare_socket_path(path: str) -> None:
+    """Make ``path``'s directory (0700) or check that only we can open it; clear a stale socket."""
+    if len(os.fsencode(path)) > 107:
+        raise ConfigError(f"{path}: a Unix socket path is limited to 107 bytes; choose a shorter one")
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(
+            f"{folder}: the ledger socket needs a directory that only this user can open "
+            f"(owned by uid {os.getuid()}, mode 0700; it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
+        )
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{path}: exists and is not a socket; remove it or choose another path")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # a socket nobody listens on: left by a killed engine
+            return
+    raise ConfigError(f"{path}: another ledger service is listening there")
+
+
+class _Tail:
+    __slots__ = ("scope", "send")
+
+    def __init__(self, send: MemoryObjectSendStream[bytes], scope: anyio.CancelScope) -> None:
+        self.send, self.scope = send, scope
+
+
+class LiveServer:
+    """Serves the live view of ``service`` on ``path`` (run with ``await tg.start(server.serve)``)."""
+
+    def __init__(
+        self, service: LedgerService, path: str, *, max_clients: int = 64, client_queue: int = 256,
+        send_timeout: float = 5.0, idle_timeout: float = 60.0,
+    ) -> None:
+        self.service, self.path = service, path
+        self.max_clients, self.client_queue = max_clients, client_queue
+        self.send_timeout, self.idle_timeout = send_timeout, idle_timeout
+        self.clients = 0
+        self.dropped_clients = 0
+        self._tails: list[_Tail] = []
+        self._decoder = msgspec.msgpack.Decoder(Request)
+        self._pins_cache: tuple[tuple[int, int], list[PinRow]] | None = None
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        prepare_socket_path(self.path)
+        listener = await anyio.create_unix_listener(self.path, mode=0o600)
+        self.service.listeners.append(self._broadcast)
+        try:
+            task_status.started()
+            async with listener:
+                await listener.serve(self._handle)
+        finally:
+            self.service.listeners.remove(self._broadcast)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    def _broadcast(self, first: int, payload: bytes) -> None:
+        if not self._tails:
+            return
+        message = frame(EventsReply(first, msgspec.Raw(payload)))
+        for tail in list(self._tails):
+            try:
+                tail.send.send_nowait(message)
+            except anyio.WouldBlock:
+                # Its queue is full: it stopped reading. Dropping it keeps everyone else on time.
+                self._tails.remove(tail)
+                self.dropped_clients += 1
+                tail.scope.cancel()
+                log.info("kvcached: ledger live view: dropped a tail client that stopped reading")
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                self._tails.remove(tail)
+
+    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+        self.clients += 1
+        try:
+            async with stream:
+                if self.clients > self.max_clients:
+                    await self._send(stream, ErrorReply(f"too many clients (at most {self.max_clients})"))
+                    return
+                await self._converse(stream)
+        except Exception as exc:  # a bug here must cost one connection, never the server
+            if not _client_gone(exc):
+                log.exception("kvcached: ledger live view: a request failed")
+        finally:
+            self.clients -= 1
+
+    async def _converse(self, stream: anyio.abc.SocketStream) -> None:
+        buffered = BufferedByteReceiveStream(stream)
+        while True:
+            body: bytes | None = None
+            with anyio.move_on_after(self.idle_timeout):
+                try:
+                    (size,) = _LEN.unpack(await buffered.receive_exactly(_LEN.size))
+                    if size > MAX_REQUEST:
+                        # Not read: whatever follows the length cannot be trusted to be a request.
+                        await self._send(stream, ErrorReply(f"request of {size} bytes exceeds {MAX_REQUEST}"))
+                        return
+                    body = await buffered.receive_exactly(size)
+                except anyio.IncompleteRead:
+                    return
+            if body is None:
+                return  # idle too long: a connection is a task, not free
+            try:
+                request = self._decoder.decode(body)
+            except msgspec.DecodeError as exc:
+                await self._send(stream, ErrorReply(f"malformed request: {exc}"))
+                return
+            if request.op == "tail":
+                await self._tail(stream, buffered)
+                return
+            reply = self.answer(request)
+            if not await self._send(stream, reply) or isinstance(reply, ErrorReply):
+                return
+
+    async def _send(self, stream: anyio.abc.SocketStream, reply: Reply) -> bool:
+        with anyio.move_on_after(self.send_timeout):
+            await stream.send(frame(reply))
+            return True
+        return False  # a client that does not read its answer is not waited for
+
+    async def _tail(self, stream: anyio.abc.SocketStream, buffered: BufferedByteReceiveStream) -> None:
+        send, receive = anyio.create_memory_object_stream[bytes](self.client_queue)
+        async with anyio.create_task_group() as tg:
+            tail = _Tail(send, tg.cancel_scope)
+            self._tails.append(tail)
+            try:
+                tg.start_soon(self._until_closed, buffered, tg.cancel_scope)
+                async with receive:
+                    async for message in receive:
+                        await stream.send(message)
+            finally:
+                if tail in self._tails:
+                    self._tails.remove(tail)
+                send.close()
+                tg.cancel_scope.cancel()
+
+    @staticmethod
+    async def _until_closed(buffered: BufferedByteReceiveStream, scope: anyio.CancelScope) -> None:
+        # A tail client has nothing more to say: any byte, EOF or error ends its stream.
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await buffered.receive()
+        scope.cancel()
+
+    def answer(self, request: Request) -> Reply:
+        svc = self.service
+        lg = svc.replica
+        if request.op == "status":
+            counts = None
+            if lg is not None:
+                counts = LedgerCounts(
+                    policy=lg.policy.value, index=lg.index, build=lg.build, num_pages=lg.num_pages,
+                    mapped_pages=lg.mapped_pages, pinned_pages=lg.pinned_pages, unmappable_pages=len(lg.unmappable),
+                    outstanding_jobs=lg.outstanding_jobs(), violations=len(lg.violations), lossy=lg.lossy,
+                    dropped_events=lg.dropped_events,
+                )
+            return StatusReply(
+                pid=os.getpid(), uptime_s=time.time() - svc.started_unix, events=svc.index, ledger=counts,
+                journal=svc.journal_status(), handoff=svc.handoff_status(),
+                clients=self.clients, dropped_clients=self.dropped_clients,
+            )
+        if lg is None:
+            return ErrorReply(f"'{request.op}' needs the service's ledger replica, which is off (replica=False)")
+        if request.op == "why":
+            if request.page is None or not 0 <= request.page < lg.num_pages:
+                return ErrorReply(f"why: page {request.page} is not a page of this ledger (0..{lg.num_pages - 1})")
+            return WhyReply(lg.why(request.page))
+        # An operator asks again and again while an idle engine holds its pages: same index, same rows.
+        key = (id(lg), lg.index)
+        if self._pins_cache is None or self._pins_cache[0] != key:
+            self._pins_cache = (key, pin_rows(lg))
+        rows = self._pins_cache[1]
+        limit = request.limit if request.limit is not None and request.limit >= 0 else len(rows)
+        return PinsReply(
+            index=lg.index, build=lg.build, pinned_pages=lg.pinned_pages, lossy=lg.lossy,
+            truncated=limit < len(rows), rows=rows[:limit],
+        )
+
+
+def _client_gone(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_client_gone(e) for e in exc.exceptions)
+    return isinstance(exc, (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError))
+
+
+# --- the client (blocking: kvctl and scripts) -------------------------------------------------
+
+
+def default_socket_dir() -> str:
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(run, "kvcached") if run else f"/tmp/kvcached-{os.getuid()}"
+
+
+def default_socket_path() -> str:
+    """Where an engine puts its socket unless told: ``$KVCACHED_LEDGER_SOCKET`` or one per pid."""
+    return os.environ.get(SOCKET_ENV) or os.path.join(default_socket_dir(), f"ledger-{os.getpid()}.sock")
+
+
+def find_socket(path: str | None = None) -> str:
+    """``path``, ``$KVCACHED_LEDGER_SOCKET``, or the one socket in the default directory."""
+    if path:
+        return path
+    if os.environ.get(SOCKET_ENV):
+        return os.environ[SOCKET_ENV]
+    folder = default_socket_dir()
+    try:
+        found = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".sock"))
+    except OSError:
+        found = []
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise LiveViewError(f"no ledger service found in {folder}; pass --socket PATH or set {SOCKET_ENV}")
+    raise LiveViewError(f"{len(found)} ledger services in {folder} ({', '.join(found)}); pick one with --socket")
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        why = {
+            FileNotFoundError: "no such socket (is the engine running with the ledger service?)",
+            ConnectionRefusedError: "nothing listens there (a socket left by a stopped engine)",
+            PermissionError: "permission denied (the socket belongs to another user)",
+        }.get(type(exc), exc.strerror or str(exc))
+        raise LiveViewError(f"cannot reach the ledger service at {path}: {why}") from None
+    return sock
+
+
+def _receive(sock: socket.socket, path: str) -> Reply:
+    try:
+        head = _recv_exactly(sock, _LEN.size)
+        (size,) = _LEN.unpack(head)
+        if size > MAX_REPLY:
+            raise LiveViewError(f"{path}: a reply of {size} bytes exceeds {MAX_REPLY}")
+        body = _recv_exactly(sock, size)
+    except TimeoutError:
+        raise LiveViewError(f"{path}: the ledger service did not answer in time") from None
+    except OSError as exc:
+        raise LiveViewError(f"{path}: the connection failed: {exc.strerror or exc}") from None
+    try:
+        reply: Reply = msgspec.msgpack.decode(body, type=Reply)
+    except msgspec.DecodeError as exc:
+        raise LiveViewError(f"{path}: not a ledger service reply: {exc}") from None
+    if isinstance(reply, ErrorReply):
+        raise LiveViewError(f"the ledger service refused the request: {reply.message}")
+    return reply
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise OSError(0, "the service closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def request(path: str, req: Request, *, timeout: float = 10.0) -> Reply:
+    """One request, one reply; every failure is a one-line ``LiveViewError``."""
+    with _connect(path, timeout) as sock:
+        try:
+            sock.sendall(frame(req))
+        except OSError as exc:
+            raise LiveViewError(f"{path}: the connection failed: {exc.strerror or exc}") from None
+        return _receive(sock, path)
+
+
+def tail(path: str, *, timeout: float = 10.0) -> Iterator[tuple[int, list[Event]]]:
+    """``(index of the first event, events)`` per batch, as the service journals them."""
+    decode = msgspec.msgpack.Decoder(list[Event]).decode
+    with _connect(path, timeout) as sock:
+        sock.sendall(frame(Request(op="tail")))
+        sock.settimeout(None)  # events come when the engine makes them
+        while True:
+            reply = _receive(sock, path)
+            if not isinstance(reply, EventsReply):
+                raise LiveViewError(f"{path}: expected events, got a {type(reply).__name__}")
+            yield reply.first, decode(reply.events)

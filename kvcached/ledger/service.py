@@ -1,0 +1,582 @@
+"""The ledger service: journal, snapshots and live view, kept off vLLM's scheduler thread.
+
+The scheduler applies each event to its ledger, then :meth:`Producer.put` appends the immutable
+event to a ``deque``: no lock, no syscall, no encoding. Everything slow runs on the service's
+anyio loop (a daemon thread, :class:`BackgroundService`, or any loop awaiting
+:meth:`LedgerService.run`): it drains the deque in batches, applies them to its *own replica*
+of the ledger, encodes each batch once (journal and ``kvctl tail``) and writes it as one frame
+from a worker thread, so a slow disk never stalls the loop that answers ``kvctl``. The replica
+costs one more ``apply`` per event (GIL time the engine pays); in exchange the hot path never
+copies or locks the live ledger, and snapshots and pins read a ledger consistent with the
+journal, gaps included. A sleeping writer is woken by one pipe write per batch, else by a short
+timer. A full deque makes the producer drop and count, and one ``Gap`` marks the spot; a
+failing disk stops journaling with one log line while replica, live view and engine go on.
+
+Files, for a journal at ``P``: segments ``P``, ``P.1``, ``P.2`` ..., each a complete journal
+(docs/trace-format.md) whose header ``meta`` adds ``segment`` and ``first_event`` (global index
+of its first event), made visible only once the header is written (temp file + rename).
+``P.snap`` is the latest snapshot, replaced by rename: a msgpack ``LedgerSnapshot`` (as
+``kvreplay snapshot`` writes) of the ledger after events ``[0, index)``, written once those
+events are in the journal. :func:`resume` restores it and reads on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import enum
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Final, Literal
+
+import anyio
+import msgspec
+
+from ..errors import ConfigError, JournalError, KvcachedError
+from .events import Event, Gap, Header
+from .journal import PREAMBLE_SIZE, JournalReader, JournalWriter, TornTail, encode_batch
+from .ledger import Ledger
+from .live import HandoffStatus, JournalStatus, LiveServer
+from .state import LedgerSnapshot
+
+log = logging.getLogger("kvcached.ledger.service")
+
+_IDLE_MAX: Final = 0.1  # longest idle sleep: how stale the live view and the journal get at a trickle
+
+
+class Durability(enum.Enum):
+    NONE = "none"  # write, never fsync: the kernel decides when the disk sees it
+    INTERVAL = "interval"  # fsync at most every ``fsync_interval`` seconds
+    BATCH = "batch"  # fsync after every frame, before it is reported durable
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServiceConfig:
+    journal: str | None = None  # base path P; None: no journal (live view only)
+    durability: Durability = Durability.INTERVAL
+    fsync_interval: float = 1.0
+    capacity: int = 1 << 16  # events the hand-off holds before the producer drops
+    batch_events: int = 8192  # most events per frame
+    flush_interval: float = 0.01  # a trickle of events waits at most this long (after activity)
+    rotate_bytes: int = 256 << 20  # 0: never rotate
+    snapshot_every: int = 1_000_000  # events between snapshots; 0: never
+    replica: bool = True  # False: no snapshots and no pins view, one apply less per event
+    socket: str | None = None  # live view socket; None: no live view
+    live_queue: int = 256  # batches queued per tail client before it counts as stopped reading
+    on_durable: Callable[[int], None] | None = None  # gets the durable event count, on the loop; never raise
+
+    def __post_init__(self) -> None:
+        try:  # the string a setting or a caller gives is accepted too
+            object.__setattr__(self, "durability", Durability(self.durability))
+        except ValueError:
+            raise ConfigError(f"ledger service: durability {self.durability!r}: use none, interval or batch") from None
+        bad = [f"{k}={getattr(self, k)}" for k in ("capacity", "batch_events", "live_queue") if getattr(self, k) < 1]
+        bad += [f"{k}={getattr(self, k)}" for k in ("fsync_interval", "flush_interval") if getattr(self, k) <= 0]
+        bad += [f"{k}={getattr(self, k)}" for k in ("rotate_bytes", "snapshot_every") if getattr(self, k) < 0]
+        if bad:
+            raise ConfigError(f"ledger service: {', '.join(bad)}: out of range")
+        if self.snapshot_every and not self.replica:
+            raise ConfigError("ledger service: snapshots need the replica (replica=True or snapshot_every=0)")
+
+
+def segment_path(base: str, k: int) -> str:
+    return base if k == 0 else f"{base}.{k}"
+
+
+def snapshot_path(base: str) -> str:
+    return f"{base}.snap"
+
+
+# --- the hand-off ---------------------------------------------------------------------------
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class Producer:
+    """The hot path's side of the hand-off: :meth:`put` never blocks or locks, and makes one
+    syscall per batch at most (a pipe write that wakes a sleeping writer), never per event.
+
+    Exact for one producer thread (vLLM's scheduler). Several threads may put safely, but
+    the bound may be exceeded by one event per thread and drop counts may be approximate.
+    """
+
+    __slots__ = ("__weakref__", "_cap", "_dropped", "_gapped", "_q", "_rfd", "_sleeping", "_wake_at", "_wfd",
+                 "episodes", "gaps")
+
+    def __init__(self, capacity: int, wake_at: int) -> None:
+        self._q: collections.deque[Event] = collections.deque()
+        self._cap = capacity
+        self._wake_at = wake_at
+        self._dropped = 0  # drops since the last event that got in: the open gap
+        self._gapped = 0  # drops already turned into Gap events
+        self._sleeping = False  # set by the writer while it waits on the pipe
+        self.episodes = 0  # overflow episodes (a run of drops) so far
+        self.gaps = 0  # Gap events put in the stream
+        self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # The pipe lives as long as the producer: closed earlier, a reused descriptor number
+        # could receive a wake byte from a scheduler still putting.
+        weakref.finalize(self, _close_fds, self._rfd, self._wfd)
+
+    def put(self, event: Event) -> None:
+        q = self._q
+        n = len(q)
+        if n < self._cap:
+            if self._dropped:
+                self._close_gap()
+            q.append(event)
+            # Only past the mark, and _wake clears the flag: one wake-up per batch, not per event.
+            if n >= self._wake_at and self._sleeping:
+                self._wake()
+        else:
+            if not self._dropped:
+                self.episodes += 1
+            self._dropped += 1
+
+    def _close_gap(self) -> None:
+        n = self._dropped
+        self._dropped = 0
+        self._gapped += n
+        self.gaps += 1
+        # Past the bound by one: the gap must sit right before the event that ended it.
+        self._q.append(Gap(n))
+
+    def _wake(self) -> None:
+        self._sleeping = False
+        try:  # noqa: SIM105 - on the producer's thread, where suppress() would cost an object
+            os.write(self._wfd, b"\0")
+        except OSError:  # full pipe: a wake-up is already pending
+            pass
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    @property
+    def queued(self) -> int:
+        return len(self._q)
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped so far (those of a gap still open included)."""
+        return self._gapped + self._dropped
+
+
+# --- the service ----------------------------------------------------------------------------
+
+
+class LedgerService:
+    """Drains a :class:`Producer` into a rotating journal, snapshots and a ledger replica."""
+
+    def __init__(self, header: Header, config: ServiceConfig | None = None, *, start: LedgerSnapshot | None = None):
+        self.header = header
+        self.config = cfg = config or ServiceConfig()
+        self.producer = Producer(cfg.capacity, max(1, min(cfg.batch_events, cfg.capacity) // 4))
+        self.replica: Ledger | None = None
+        if cfg.replica:
+            self.replica = Ledger.restore(start) if start is not None else Ledger(header)
+        self._start = start
+        self.index = start.index if start is not None else 0  # global index of the next event
+        # listener(first index, payload) for every batch, on the loop: the live view's tail.
+        self.listeners: list[Callable[[int, bytes], None]] = []
+        self._writer: JournalWriter | None = None
+        self._state: Literal["off", "starting", "writing", "stopped", "closed"] = "starting" if cfg.journal else "off"
+        self._error: str | None = None
+        self._segment = 0
+        self._written = self._durable = self._reported = self.index  # global indices, as self.index
+        self._dirty = False
+        self._next_fsync = 0.0
+        self._snap_index: int | None = None
+        self._overflowing = False  # from the first drop until the writer has caught up
+        self._episodes_seen = self._dropped_seen = 0
+        self._stopping = self._started = False
+        self.started_unix = time.time()
+
+    # --- control, from any thread -------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to drain, close the journal and return (thread-safe, idempotent)."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self.producer._wfd, b"\0")
+
+    def journal_status(self) -> JournalStatus:
+        w = self._writer  # read once: a rotation in the worker thread may swap it meanwhile
+        size = w.bytes_written if w is not None else 0
+        return JournalStatus(
+            state=self._state, path=self.config.journal, durability=self.config.durability.value, segment=self._segment,
+            segment_bytes=size, events_written=self._written, events_durable=self._durable,
+            snapshot_index=self._snap_index, error=self._error,
+        )
+
+    def handoff_status(self) -> HandoffStatus:
+        p = self.producer
+        return HandoffStatus(capacity=p.capacity, queued=p.queued, dropped=p.dropped, gaps=p.gaps, episodes=p.episodes)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until :meth:`stop`; ``task_status.started()`` once the journal and socket exist."""
+        if self._started:
+            raise RuntimeError("a LedgerService runs once")
+        self._started = True
+        if self.config.journal:
+            await self._disk(self._open_first)
+        try:
+            async with anyio.create_task_group() as tg:
+                if self.config.socket:
+                    await tg.start(LiveServer(self, self.config.socket, client_queue=self.config.live_queue).serve)
+                task_status.started()
+                await self._drain_forever()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._disk(self._close_journal)
+
+    async def _drain_forever(self) -> None:
+        p, cfg = self.producer, self.config
+        q, limit = p._q, cfg.batch_events
+        idle = cfg.flush_interval
+        while True:
+            if p.episodes != self._episodes_seen:
+                self._episodes_seen = p.episodes
+                if not self._overflowing:
+                    self._overflowing = True
+                    log.warning(
+                        "kvcached: the ledger hand-off is full (%d events): dropping events until the service "
+                        "catches up; the drops are journaled as gaps", p.capacity,
+                    )
+            if q:
+                pop = q.popleft
+                await self._process([pop() for _ in range(min(len(q), limit))])
+                idle = cfg.flush_interval
+                continue
+            if self._overflowing and not p._dropped:
+                # One warning per overload, not per refill: a slow disk frees and refills the hand-off
+                # once per batch, which would otherwise log at the batch rate.
+                self._overflowing = False
+                lost, self._dropped_seen = p.dropped - self._dropped_seen, p.dropped
+                log.warning("kvcached: the ledger service caught up; %d events were dropped", lost)
+            if self._stopping:
+                break
+            if self._dirty and time.monotonic() >= self._next_fsync:
+                await self._disk(self._fsync)
+            await self._sleep(idle)
+            idle = min(idle * 2, max(_IDLE_MAX, cfg.flush_interval))
+        # Shutdown: close the hand-off, let a put preempted mid-call finish (the GIL hands over
+        # within a switch interval), then write what is left and the last gap.
+        p._cap = 0
+        await anyio.sleep(2 * sys.getswitchinterval())
+        while q:
+            pop = q.popleft
+            await self._process([pop() for _ in range(min(len(q), limit))])
+        if p._dropped:
+            await self._process([Gap(p._dropped)])
+
+    async def _sleep(self, timeout: float) -> None:
+        p = self.producer
+        p._sleeping = True
+        # Armed first, checked second (see Producer.put): either we see the events or it wakes us.
+        if len(p._q) <= p._wake_at and not self._stopping:
+            if self._dirty:
+                timeout = max(0.0, min(timeout, self._next_fsync - time.monotonic()))
+            with anyio.move_on_after(timeout):
+                await anyio.wait_readable(p._rfd)
+        p._sleeping = False
+        with contextlib.suppress(BlockingIOError):
+            os.read(p._rfd, 4096)
+
+    async def _process(self, batch: list[Event]) -> None:
+        replica = self.replica
+        if replica is not None:
+            try:
+                for ev in batch:
+                    replica.apply(ev)
+            except Exception:
+                log.exception("kvcached: the ledger service's replica failed; pins and snapshots are off")
+                self.replica = None
+        payload = encode_batch(batch)
+        first = self.index
+        self.index = first + len(batch)
+        for listener in self.listeners:
+            listener(first, payload)
+        if self._writer is not None:
+            await self._disk(self._append, payload, len(batch))
+        every = self.config.snapshot_every
+        due = every and self.index - (self._snap_index or 0) >= every
+        if due and self._writer is not None and self.replica is not None:
+            await self._disk(self._write_snapshot, self.replica.snapshot())
+
+    async def _disk(self, fn: Callable[..., None], *args: object) -> None:
+        """Runs ``fn`` in a worker thread; a disk error stops journaling, never the service."""
+        try:
+            await anyio.to_thread.run_sync(fn, *args)
+        except (OSError, KvcachedError) as exc:
+            self._stop_journal(exc)
+        durable = self._durable
+        if self._reported != durable and self.config.on_durable is not None:
+            self._reported = durable
+            self.config.on_durable(durable)
+
+    def _stop_journal(self, exc: BaseException) -> None:
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        log.error("kvcached: journaling stopped, serving goes on: %s", msg)
+        self._error, self._state = msg, "stopped"
+        w, self._writer = self._writer, None
+        with contextlib.suppress(OSError, KvcachedError):
+            if w is not None:  # leave a journal that reads cleanly up to its last whole frame
+                w.truncate_to_last_frame()
+                w.close()
+
+    # --- disk work, in a worker thread (the loop awaits it, so state needs no lock) ------------
+
+    def _open_first(self) -> None:
+        base = self.config.journal
+        assert base is not None
+        folder, name = os.path.split(os.path.abspath(base))
+        # Segments and snapshots of an earlier journal at this path would be read as ours.
+        for entry in os.listdir(folder):
+            rest = entry[len(name) + 1 :] if entry.startswith(name + ".") else ""
+            if rest.isdigit() or rest in ("snap", "snap.tmp") or (rest.endswith(".tmp") and rest[:-4].isdigit()):
+                os.unlink(os.path.join(folder, entry))
+        self._writer = self._open_segment(0)
+        self._state = "writing"
+        if self._start is not None:  # a journal that starts mid-run is replayable only from it
+            self._write_snapshot(self._start)
+
+    def _open_segment(self, k: int) -> JournalWriter:
+        base = self.config.journal
+        assert base is not None
+        path = segment_path(base, k)
+        tmp = path + ".tmp"
+        meta = {**self.header.meta, "segment": str(k), "first_event": str(self.index)}
+        header = msgspec.structs.replace(self.header, meta=meta, created_unix=self.header.created_unix or time.time())
+        file = _open_segment_file(tmp)
+        try:
+            writer = JournalWriter(file, path, header)
+            if self.config.durability is not Durability.NONE:
+                writer.fsync()
+            os.replace(tmp, path)
+        except BaseException:
+            file.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.config.durability is not Durability.NONE:
+            _fsync_dir(path)
+        self._segment = k
+        self._next_fsync = time.monotonic() + self.config.fsync_interval
+        return writer
+
+    def _append(self, payload: bytes, count: int) -> None:
+        w = self._writer
+        assert w is not None
+        w.append_encoded(payload, count)
+        self._written += count
+        self._dirty = True
+        dur = self.config.durability
+        if dur is Durability.BATCH or (dur is Durability.INTERVAL and time.monotonic() >= self._next_fsync):
+            self._fsync()
+        if self.config.rotate_bytes and w.bytes_written >= self.config.rotate_bytes:
+            if self._dirty:
+                self._fsync()  # a segment is complete on disk before the next one appears
+            w.close()
+            self._writer = None  # a failure below leaves journaling off, not a closed writer
+            self._writer = self._open_segment(self._segment + 1)
+
+    def _fsync(self) -> None:
+        w = self._writer
+        if w is None or self.config.durability is Durability.NONE:
+            self._dirty = False
+            return
+        w.fsync()
+        self._durable = self._written
+        self._dirty = False
+        self._next_fsync = time.monotonic() + self.config.fsync_interval
+
+    def _write_snapshot(self, snap: LedgerSnapshot) -> None:
+        base = self.config.journal
+        assert base is not None
+        sync = self.config.durability is not Durability.NONE
+        if sync:
+            self._fsync()  # the snapshot must never be ahead of the journal on disk
+        body = msgspec.msgpack.encode(snap)
+        path = snapshot_path(base)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(body)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if sync:
+            _fsync_dir(path)
+        self._snap_index = snap.index
+
+    def _close_journal(self) -> None:
+        w = self._writer
+        if w is not None:
+            self._fsync()
+            w.close()
+            self._writer = None
+            self._state = "closed"
+
+
+def _open_segment_file(path: str) -> BinaryIO:
+    # Unbuffered: a frame reaches the kernel in one write (see JournalWriter). Tests replace this.
+    return open(path, "wb", buffering=0)
+
+
+def _fsync_dir(path: str) -> None:  # makes a rename durable
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BackgroundService:
+    """A :class:`LedgerService` on its own anyio event loop, in a daemon thread of the engine.
+
+    Daemon and closed by ``atexit``: an engine that never calls :meth:`close` neither hangs at
+    exit (a non-daemon loop thread would be joined forever) nor skips the final drain.
+    """
+
+    def __init__(self, service: LedgerService) -> None:
+        self.service, self.producer = service, service.producer
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._main, name="kvcached-ledger", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        atexit.register(self.close)
+
+    @classmethod
+    def start(
+        cls, header: Header, config: ServiceConfig | None = None, *, start: LedgerSnapshot | None = None
+    ) -> BackgroundService:
+        """Starts a service; returns once its journal and socket exist (or raises why not)."""
+        return cls(LedgerService(header, config, start=start))
+
+    def _main(self) -> None:
+        try:
+            anyio.run(self._serve)
+        except BaseException as exc:  # reported to start(), or logged if it fails later
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]
+            if self._ready.is_set():
+                log.error("kvcached: the ledger service failed: %s", exc, exc_info=exc)
+            else:
+                self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.service.run)
+            self._ready.set()
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Drains the hand-off, closes the journal and the socket, joins the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self.service.stop()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("kvcached: the ledger service did not stop within %s s; its journal may lack a tail", timeout)
+
+    def __enter__(self) -> BackgroundService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- reading a rotated journal and its snapshot -----------------------------------------------
+
+
+def _first_event(path: str, header: Header) -> int:
+    raw = header.meta.get("first_event", "0")
+    if not raw.isdigit():
+        raise JournalError(path, PREAMBLE_SIZE, f"header meta first_event={raw!r} is not an event index")
+    return int(raw)
+
+
+class RotatedJournal:
+    """The segments of the journal at ``path`` (``P``, ``P.1``, ...), read in order as one.
+
+    :meth:`events` checks that each segment starts where the previous one ended. A torn tail
+    is allowed only at the end of the last segment (``torn_tail``, ``torn_segment``); the
+    writer rotates only after whole frames, so anywhere else it is damage and raises.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.segments = [self.path]
+        while os.path.exists(segment_path(self.path, len(self.segments))):
+            self.segments.append(segment_path(self.path, len(self.segments)))
+        with JournalReader(self.path) as reader:
+            self.header = reader.header
+        self.first_event = _first_event(self.path, self.header)
+        self.torn_tail: TornTail | None = None
+        self.torn_segment: str | None = None
+
+    def events(self, start: int = 0) -> Iterator[Event]:
+        """Events with global index >= ``start``, across all segments."""
+        at = self.first_event
+        for k, seg in enumerate(self.segments):
+            reader = JournalReader(seg)
+            first = _first_event(seg, reader.header)
+            if self.torn_tail is not None or first != at:
+                reader.close()
+                what = "follows a torn segment" if self.torn_tail is not None else f"starts at event {first}"
+                raise JournalError(seg, PREAMBLE_SIZE, f"segment {k} {what}; the previous one ends at event {at}")
+            for _, _, batch in reader.batches():
+                if at + len(batch) > start:
+                    yield from batch[max(0, start - at) :]
+                at += len(batch)
+            if reader.torn_tail is not None:
+                self.torn_tail, self.torn_segment = reader.torn_tail, seg
+        if start > at:
+            raise JournalError(self.path, 0, f"event {start} was asked for, but the journal ends at event {at}")
+
+
+def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            return msgspec.msgpack.decode(f.read(), type=LedgerSnapshot)
+    except OSError as exc:
+        raise JournalError(name, 0, f"cannot read the snapshot: {exc.strerror or exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise JournalError(name, 0, f"not a ledger snapshot: {exc}") from None
+
+
+def resume(path: str | os.PathLike[str]) -> tuple[Ledger, Iterator[Event], RotatedJournal]:
+    """A ledger restored from ``P.snap`` (or fresh) and the journal's events after it."""
+    journal = RotatedJournal(path)
+    snap = snapshot_path(journal.path)
+    if os.path.exists(snap):
+        sf = read_snapshot(snap)
+        if sf.index >= journal.first_event:
+            return Ledger.restore(sf), journal.events(sf.index), journal
+    if journal.first_event:
+        what = f"the journal starts at event {journal.first_event} and no snapshot covers the events before it"
+        raise JournalError(journal.path, PREAMBLE_SIZE, what)
+    return Ledger(journal.header), journal.events(), journal

@@ -1,0 +1,385 @@
+"""The live view: socket permissions, the protocol, many clients, slow and malformed ones, kvctl."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import msgspec
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from kvcached.errors import ConfigError
+from kvcached.ledger import kvctl, live, synth
+from kvcached.ledger.events import (
+    BlockAlloc,
+    BlockFree,
+    Event,
+    Header,
+    JobBuilt,
+    JobKind,
+    PageMapped,
+    PoolGeometry,
+    RequestAdded,
+    WindowHold,
+)
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.service import BackgroundService, LedgerService, ServiceConfig
+from kvcached.ledger.simulate import derive
+
+HEADER = synth.header()
+TRACE: list[Event] = list(derive(Ledger(HEADER), itertools.islice(synth.workload(5), 30_000)))
+
+
+def sock_path(tmp_path: Path) -> str:
+    return str(tmp_path / "run" / "ledger.sock")
+
+
+@contextlib.asynccontextmanager
+async def running(tmp_path: Path, **cfg: Any) -> AsyncIterator[LedgerService]:
+    svc = LedgerService(HEADER, ServiceConfig(socket=sock_path(tmp_path), **cfg))
+    async with anyio.create_task_group() as tg:
+        await tg.start(svc.run)
+        try:
+            yield svc
+        finally:
+            svc.stop()
+
+
+async def put(svc: LedgerService, events: list[Event]) -> None:
+    """Puts ``events`` from another thread and waits until the service has taken and written them."""
+    target = svc.index + len(events)
+
+    def produce() -> None:
+        for e in events:
+            svc.producer.put(e)
+
+    await anyio.to_thread.run_sync(produce)
+    with anyio.fail_after(30):
+        while svc.index < target or (svc.config.journal and svc.journal_status().events_written < target):
+            await anyio.sleep(0.01)
+
+
+async def exchange(
+    path: str, raw: bytes, *, then_closed: bool = True, eof: bool = False
+) -> tuple[live.Reply | None, bool]:
+    """Sends ``raw`` as is (then EOF if asked); returns the reply (if any) and whether the server then closed."""
+    async with await anyio.connect_unix(path) as stream:
+        await stream.send(raw)
+        if eof:
+            await stream.send_eof()
+        buffered = BufferedByteReceiveStream(stream)
+        with anyio.fail_after(5):
+            try:
+                (n,) = struct.unpack(">I", await buffered.receive_exactly(4))
+                reply: live.Reply | None = msgspec.msgpack.decode(await buffered.receive_exactly(n), type=live.Reply)
+            except (anyio.IncompleteRead, anyio.EndOfStream):
+                return None, True
+            if not then_closed:
+                return reply, False
+            try:
+                await buffered.receive(1)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+                return reply, True
+    return reply, False
+
+
+async def call(path: str, request: live.Request) -> live.Reply:
+    reply, _ = await exchange(path, live.frame(request), then_closed=False)
+    assert reply is not None
+    return reply
+
+
+def rows_from_why(lg: Ledger) -> list[live.PinRow]:
+    return [
+        live.PinRow(p, r.kind, r.since_build, r.job, r.job_kind, r.request, r.waiting_workers, r.until_build)
+        for p in lg.pinned()
+        for r in lg.why(p).pins
+    ]
+
+
+# --- the pins table -----------------------------------------------------------------------------
+
+
+def test_pin_rows_say_what_why_says() -> None:
+    h = Header(page_bytes=4096, pools=(PoolGeometry(1024, 32),), workers=2)
+    lg = Ledger(h)
+    events: list[Event] = [
+        *(PageMapped(p) for p in range(8)),
+        RequestAdded(3, "zeta"), RequestAdded(1, "alpha"),
+        BlockAlloc(0, tuple(range(16))),
+        JobBuilt(9, JobKind.STORE, 3, ((0, 1, 4),), 2),
+        JobBuilt(2, JobKind.LOAD, 1, ((1, 8),), 2),
+        WindowHold(3, 0, (5, 9)), WindowHold(1, 0, (9,)),
+        BlockFree(0, (12, 13, 14, 15)),
+    ]
+    lg.apply_all(events)
+    rows = live.pin_rows(lg)
+    assert rows == rows_from_why(lg)
+    assert {r.kind for r in rows} == {"job", "grace", "window"}
+    for n in (500, 5000, len(TRACE)):  # and the synthetic workload at a few points
+        lg = Ledger(HEADER)
+        lg.apply_all(TRACE[:n])
+        assert live.pin_rows(lg) == rows_from_why(lg)
+
+
+# --- permissions ----------------------------------------------------------------------------------
+
+
+async def test_socket_is_0600_in_a_0700_directory_and_goes_away_on_stop(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    async with running(tmp_path):
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert isinstance(await call(path, live.Request(op="status")), live.StatusReply)
+        with pytest.raises(ConfigError, match="another ledger service"):
+            live.prepare_socket_path(path)
+    assert not os.path.exists(path)
+
+
+def test_unsafe_directories_and_paths_are_refused(tmp_path: Path) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    with pytest.raises(ConfigError, match="only this user can open"):
+        BackgroundService.start(HEADER, ServiceConfig(socket=str(loose / "l.sock")))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "file.sock").write_text("not a socket")
+    with pytest.raises(ConfigError, match="is not a socket"):
+        live.prepare_socket_path(str(private / "file.sock"))
+    with pytest.raises(ConfigError, match="107 bytes"):
+        live.prepare_socket_path(str(private / ("x" * 120)))
+    # A socket left by a killed engine is replaced.
+    stale = str(private / "stale.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(stale)
+    with BackgroundService.start(HEADER, ServiceConfig(socket=stale)):
+        assert isinstance(live.request(stale, live.Request(op="status")), live.StatusReply)
+
+
+# --- the protocol ---------------------------------------------------------------------------------
+
+
+async def test_status_pins_and_why_answer_from_the_replica(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    async with running(tmp_path, journal=str(tmp_path / "j.kvj")) as svc:
+        await put(svc, TRACE[:8000])
+        lg = svc.replica
+        assert lg is not None
+        status = await call(path, live.Request(op="status"))
+        assert isinstance(status, live.StatusReply) and status.ledger is not None
+        c = status.ledger
+        assert (c.index, c.pinned_pages, c.mapped_pages, c.outstanding_jobs) == (
+            8000, lg.pinned_pages, lg.mapped_pages, lg.outstanding_jobs())
+        assert c.unmappable_pages == len(lg.unmappable) and not c.lossy
+        assert status.journal.state == "writing" and status.journal.events_written == 8000
+        assert status.handoff.dropped == 0 and status.clients == 1
+        pins = await call(path, live.Request(op="pins"))
+        assert isinstance(pins, live.PinsReply) and pins.rows == rows_from_why(lg) and not pins.truncated
+        assert pins.pinned_pages == lg.pinned_pages > 0
+        few = await call(path, live.Request(op="pins", limit=3))
+        assert isinstance(few, live.PinsReply) and few.rows == pins.rows[:3] and few.truncated
+        page = pins.rows[0].page
+        why = await call(path, live.Request(op="why", page=page))
+        assert isinstance(why, live.WhyReply) and why.status == lg.why(page)
+        bad = await call(path, live.Request(op="why", page=10**6))
+        assert isinstance(bad, live.ErrorReply) and "not a page" in bad.message
+
+
+async def test_without_a_replica_status_still_answers_and_pins_say_why_not(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    async with running(tmp_path, replica=False, snapshot_every=0) as svc:
+        await put(svc, TRACE[:100])
+        status = await call(path, live.Request(op="status"))
+        assert isinstance(status, live.StatusReply) and status.ledger is None and status.events == 100
+        pins = await call(path, live.Request(op="pins"))
+        assert isinstance(pins, live.ErrorReply) and "replica" in pins.message
+
+
+async def test_malformed_and_oversized_requests_get_an_error_and_the_server_stays_up(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+
+    def framed(body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + body
+
+    async with running(tmp_path) as svc:
+        for raw, expect in [
+            (framed(b"\xc1garbage"), "malformed request"),
+            (framed(msgspec.msgpack.encode({"op": "delete"})), "malformed request"),
+            (framed(msgspec.msgpack.encode({"op": "status", "extra": 1})), "malformed request"),
+            (framed(msgspec.msgpack.encode([1, 2, 3])), "malformed request"),
+            (struct.pack(">I", 10 << 20) + b"x" * 10_000, "exceeds 4096"),
+        ]:
+            reply, closed = await exchange(path, raw)
+            assert isinstance(reply, live.ErrorReply) and expect in reply.message, raw[:20]
+            assert closed
+        for cut in (b"\x00\x00", struct.pack(">I", 100) + b"short"):  # then EOF: no reply, no harm
+            assert await exchange(path, cut, eof=True) == (None, True)
+        await put(svc, TRACE[:10])
+        status = await call(path, live.Request(op="status"))
+        assert isinstance(status, live.StatusReply) and status.events == 10
+
+
+async def test_many_clients_at_once(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    n_events = 6000
+    async with running(tmp_path) as svc:
+        got: dict[int, list[int]] = {}
+        subscribed = anyio.Event()
+        ready = 0
+
+        async def tail_client(k: int) -> None:
+            nonlocal ready
+            async with await anyio.connect_unix(path) as stream:
+                await stream.send(live.frame(live.Request(op="tail")))
+                buffered = BufferedByteReceiveStream(stream)
+                ready += 1
+                if ready == 8:
+                    subscribed.set()
+                seen = got.setdefault(k, [])
+                while len(seen) < n_events:
+                    (n,) = struct.unpack(">I", await buffered.receive_exactly(4))
+                    reply = msgspec.msgpack.decode(await buffered.receive_exactly(n), type=live.Reply)
+                    assert isinstance(reply, live.EventsReply)
+                    events = msgspec.msgpack.decode(reply.events, type=list[Event])
+                    seen.extend(range(reply.first, reply.first + len(events)))
+
+        async def asker() -> None:
+            ops: list[Literal["status", "pins"]] = ["status", "pins", "status"]
+            for op in ops:
+                reply = await call(path, live.Request(op=op))
+                assert type(reply).__name__.lower().startswith(op)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for k in range(8):
+                    tg.start_soon(tail_client, k)
+                for _ in range(24):
+                    tg.start_soon(asker)
+                await subscribed.wait()
+                await anyio.sleep(0.05)  # the last subscriber's request has reached the server
+                await put(svc, TRACE[:n_events])
+        assert all(seen == list(range(n_events)) for seen in got.values()) and len(got) == 8
+
+
+def test_a_tail_client_that_stops_reading_is_dropped_and_others_keep_receiving(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    # No replica: the good reader shares this process's GIL with the service, so the service is
+    # kept light; the trace twice over is more than the stuck client's socket and queue can hold.
+    events = TRACE * 2
+    cfg = ServiceConfig(socket=path, live_queue=8, replica=False, snapshot_every=0, capacity=1 << 17)
+    with BackgroundService.start(HEADER, cfg) as bg:
+        stuck = socket.socket(socket.AF_UNIX)
+        stuck.connect(path)
+        stuck.sendall(live.frame(live.Request(op="tail")))  # and never reads
+        received: list[int] = []
+
+        def reader() -> None:
+            for first, batch in live.tail(path):
+                received.extend(range(first, first + len(batch)))
+                if len(received) >= len(events):
+                    return
+
+        t = threading.Thread(target=reader)
+        t.start()
+
+        def status() -> live.StatusReply:
+            reply = live.request(path, live.Request(op="status"))
+            assert isinstance(reply, live.StatusReply)
+            return reply
+
+        deadline = time.monotonic() + 10
+        while status().clients < 3:  # both tail clients are subscribed (and this one asks)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for i in range(0, len(events), 1000):
+            for ev in events[i : i + 1000]:
+                bg.producer.put(ev)
+            time.sleep(0.005)
+        t.join(60)
+        assert status().dropped_clients == 1 and bg.producer.dropped == 0
+        stuck.close()
+    assert received == list(range(len(events)))
+
+
+# --- kvctl ----------------------------------------------------------------------------------------
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def kvctl_run(*argv: str, out: io.StringIO | None = None) -> tuple[int, str]:
+    buf = out if out is not None else io.StringIO()
+    return kvctl.main(list(argv), out=buf), buf.getvalue()
+
+
+def test_kvctl_pins_status_why_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = sock_path(tmp_path)
+    with BackgroundService.start(HEADER, ServiceConfig(socket=path, journal=str(tmp_path / "j.kvj"))) as bg:
+        for ev in TRACE[:5000]:
+            bg.producer.put(ev)
+        while bg.producer.queued or bg.service.index < 5000:
+            time.sleep(0.01)
+        lg = bg.service.replica
+        assert lg is not None
+        rc, text = kvctl_run("--socket", path, "pins")
+        lines = text.splitlines()
+        assert rc == 0 and lines[0].startswith(f"{lg.pinned_pages} pinned page(s)")
+        assert lines[1].split() == ["PAGE", "PIN", "JOB", "OR", "REQUEST", "SINCE", "BUILD", "WAITING", "WORKERS"]
+        assert len(lines) == 2 + len(live.pin_rows(lg))
+        first = live.pin_rows(lg)[0]
+        assert lines[2].split()[0] == str(first.page) and str(first.job) in lines[2]
+        rc, text = kvctl_run("--socket", path, "pins", "--json", "--limit", "2")
+        assert rc == 0 and len(json.loads(text)["rows"]) == 2
+        rc, fancy = kvctl_run("--socket", path, "pins", "--limit", "2", out=Tty())
+        assert rc == 0 and "job or request" in fancy and "┃" in fancy
+        monkeypatch.setenv(live.SOCKET_ENV, path)
+        rc, text = kvctl_run("status")
+        assert rc == 0 and f"{lg.pinned_pages} pinned" in text and "journal" in text and "hand-off" in text
+        assert json.loads(kvctl_run("status", "--json")[1])["ledger"]["index"] == 5000
+        rc, text = kvctl_run("why", str(first.page))
+        assert rc == 0 and text.startswith(f"page {first.page}: mapped")
+
+        def later() -> None:
+            time.sleep(0.3)
+            for ev in TRACE[5000:5100]:
+                bg.producer.put(ev)
+
+        threading.Thread(target=later).start()
+        rc, text = kvctl_run("tail", "--count", "7")
+        assert rc == 0 and [int(line.split()[0]) for line in text.splitlines()] == list(range(5000, 5007))
+
+
+def test_kvctl_errors_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "nope.sock")
+    stale = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(stale)
+    for argv, expect in [
+        (["--socket", missing, "status"], "no such socket"),
+        (["--socket", stale, "pins"], "nothing listens there"),
+    ]:
+        assert kvctl.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expect in err and err.startswith("kvctl: ") and "Traceback" not in err
+    path = sock_path(tmp_path)
+    with BackgroundService.start(HEADER, ServiceConfig(socket=path)):
+        assert kvctl.main(["--socket", path, "why", "123456"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvctl: the ledger service refused the request: why: page 123456")
