@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# The test suite: installs what the tests need into .venv, runs every test (GPU tests skip
-# without a GPU), then runs the ledger's tests again against the mypyc-compiled ledger, which
-# is what `pip install kvcached` ships. Extra arguments go to the first pytest run.
+# The test suite, set-up included:
+#   1. .venv (CPU torch): every test; GPU tests skip without a GPU, vLLM tests skip (no vLLM there);
+#   2. the ledger's tests again against the mypyc-compiled ledger, which `pip install kvcached` ships;
+#   3. .venv-vllm (vLLM 0.33.0): the page-aware pool, the harness and the freed-block-copy scenarios
+#      on vLLM's real Scheduler and OffloadingConnector.
+# Extra arguments go to the first pytest run.
 source "$(dirname "$0")/_env.sh"
 .venv/bin/python -m pytest -q "$@"
 echo "--- the ledger's tests against the mypyc-compiled ledger"
 bash scripts/build-compiled.sh .venv/compiled
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pytest -q -p no:cacheprovider \
-    tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py
+    tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py tests/test_live.py
+echo "--- real vLLM 0.33.0 (scheduler, OffloadingConnector) with kvcached underneath"
+ensure_vllm_env
+.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler
