@@ -46,8 +46,16 @@ def _per_event_us(make, apply_events, runs: int) -> float:
 def child(runs: int, n_events: int) -> dict[str, object]:
     from kvcached.ledger import ledger as ledger_mod
     from kvcached.ledger import synth
-    from kvcached.ledger.events import BlockAlloc, BlockFree, Header, JobBuilt, JobKind, JobReported, PageMapped
-    from kvcached.ledger.events import PoolGeometry
+    from kvcached.ledger.events import (
+        BlockAlloc,
+        BlockFree,
+        Header,
+        JobBuilt,
+        JobKind,
+        JobReported,
+        PageMapped,
+        PoolGeometry,
+    )
     from kvcached.ledger.journal import JournalReader, JournalWriter, encode_batch
     from kvcached.ledger.simulate import derive
 

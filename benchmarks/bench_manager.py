@@ -64,7 +64,8 @@ def main() -> int:
         subprocess.run(["bash", str(ROOT / "scripts/build-compiled.sh"), compiled], check=True)
         for name, path in (("pure", str(ROOT)), ("compiled", compiled)):
             cmd = [sys.executable, "-P", __file__, "--child", "--runs", str(args.runs), "--n", str(args.n)]
-            proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=path), check=True, capture_output=True, text=True)
+            env = dict(os.environ, PYTHONPATH=path)
+            proc = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             res[name] = json.loads(proc.stdout)
     print(f"median of {args.runs} runs of {args.n} alloc(1)+free pairs (host backend, ledger events included)")
     print(f"{'policy':10} {'pure Python':>14} {'compiled':>14} {'budget':>8}")

@@ -130,7 +130,8 @@ def workload(
         if preempt_every and step % preempt_every == 0 and running:
             victim = rng.choice(list(running))
             yield RequestPreempted(victim)
-            done.append(victim)
+            if victim not in done:  # it may have finished in this very step
+                done.append(victim)
         for req in done:
             r = running.pop(req)
             if r.blocks:

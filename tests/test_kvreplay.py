@@ -1,0 +1,433 @@
+"""kvreplay end to end, in process: check, compare, minimize, show, stats, plot, snapshots, goldens.
+
+Traces are made here from the seed's scenarios and the synthetic workload, with decisions
+derived under a policy (``simulate.derive``), written with ``JournalWriter`` in small batches so
+that multi-frame reading is exercised. Golden traces are picked up from ``traces/``: any
+``NAME.kvj`` with a ``NAME.check.json`` beside it is replayed and compared, so adding one needs
+no change here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvcached.ledger import synth
+from kvcached.ledger.events import (
+    DECISIONS,
+    BlockAlloc,
+    BlockFree,
+    BuildBoundary,
+    Event,
+    Header,
+    JobBuilt,
+    JobKind,
+    JobReported,
+    PageMapped,
+    PageUnmapped,
+    Policy,
+    PoolGeometry,
+    RequestAdded,
+)
+from kvcached.ledger.journal import JournalWriter, read_journal
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.scenarios import SCENARIOS, preempt_shrink
+from kvcached.ledger.simulate import derive
+from kvcached.ledger.state import LedgerSnapshot
+from kvreplay import tracefile
+from kvreplay.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT / "traces"
+
+
+def write(path: Path, header: Header, events: Sequence[Event], batch: int = 4) -> str:
+    with JournalWriter.create(path, header) as w:
+        for i in range(0, len(events), batch):
+            w.append(list(events[i : i + batch]))
+    return str(path)
+
+
+def recorded(header: Header, inputs: Sequence[Event], policy: str) -> tuple[Header, list[Event]]:
+    """A "recorded" trace: the inputs with the eager allocator's decisions under ``policy``."""
+    h = msgspec.structs.replace(header, policy=Policy(policy))
+    return h, list(derive(Ledger(h), inputs))
+
+
+def scenario_trace(tmp_path: Path, name: str, policy: str) -> str:
+    sc = SCENARIOS[name]()
+    h, ev = recorded(sc.header, sc.events, policy)
+    return write(tmp_path / f"{name}-{policy}.kvj", h, ev)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def synth_legacy(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # 5,000 inputs of the randomized workload reach its first freed-block copy (near input 2,200).
+    h, ev = recorded(synth.header(), list(itertools.islice(synth.workload(7), 5000)), "legacy")
+    return write(tmp_path_factory.mktemp("synth") / "synth-legacy.kvj", h, ev, batch=512)
+
+
+# --- check ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_check_finds_the_copy_under_legacy_and_none_under_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    bad = scenario_trace(tmp_path, name, "legacy")
+    code, out, err = run(capsys, "check", bad)
+    assert (code, err) == (1, "")
+    assert f"{bad}: I1 " in out and "summary:" in out
+    first = out.splitlines()[1]
+    assert "event " in first and "build " in first and "page " in first and "job " in first
+    good = scenario_trace(tmp_path, name, "ledger")
+    code, out, err = run(capsys, "check", good)
+    assert (code, err) == (0, "")
+    assert "clean: no invariant violated" in out
+
+
+def test_check_witness_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "finish-in-write-step", "legacy")
+    _, out, _ = run(capsys, "check", path)
+    steps = [line.split()[0] for line in out.splitlines()[2:6]]
+    assert steps == ["pin", "free", "unmap", "late"]
+    assert "1 violation(s): I1 unmap-under-job x1" in out
+    assert "peak 1 pinned pages" in out and "1 unmaps" in out
+
+
+def test_check_json_is_deterministic_and_has_no_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "sliding-window-late-store", "legacy")
+    code, first, _ = run(capsys, "check", path, "--json")
+    code2, second, _ = run(capsys, "check", path, "--json")
+    assert code == code2 == 1
+    assert first == second
+    assert str(tmp_path) not in first
+    doc = json.loads(first)
+    assert doc["trace"] == "sliding-window-late-store-legacy.kvj"
+    assert doc["policy"] == "legacy" and doc["decisions"] == "recorded" and not doc["clean"]
+    assert doc["violations_by_invariant"] == {"I1": len(doc["violations"])}
+    assert doc["violations"][0]["chain"][-1]["step"] == "late copy"
+    assert set(doc["summary"]) >= {"events", "builds", "jobs", "peak_pinned_pages", "unmaps"}
+    assert "created_unix" not in first and "producer" not in first
+
+
+def test_check_derive_on_an_inputs_only_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sc = SCENARIOS["last-block-next-build"]()
+    path = write(tmp_path / "inputs.kvj", msgspec.structs.replace(sc.header, policy=Policy.LEGACY), sc.events)
+    code, out, _ = run(capsys, "check", path)
+    assert code == 1 and "alloc-on-unmapped" in out and "--derive" in out
+    code, out, _ = run(capsys, "check", path, "--derive")
+    assert code == 1 and "copy-of-lost-block" in out and "alloc-on-unmapped" not in out
+    code, out, _ = run(capsys, "check", path, "--derive", "--policy", "ledger")
+    assert code == 0, out
+
+
+def test_malformed_sequence_is_a_violation_with_file_and_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A report for a job never built: the ledger's I3; check names file and event and exits 1.
+    h = Header(page_bytes=4096, pools=(PoolGeometry(1024, 16),), policy=Policy.LEDGER)
+    path = write(tmp_path / "orphan.kvj", h, [BuildBoundary(0), JobReported(7, 1), BuildBoundary(1)])
+    code, out, err = run(capsys, "check", path)
+    assert (code, err) == (1, "")
+    assert f"{path}: I3 report-unknown-job (event 1, build 1, job 7)" in out
+
+
+# --- compare --------------------------------------------------------------------------------
+
+
+def _page_builds(header: Header, inputs: Sequence[Event], policy: str) -> int:
+    lg = Ledger(header, policy)
+    return sum(lg.mapped_pages for ev in derive(lg, inputs) if type(ev) is BuildBoundary)
+
+
+def test_compare_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sc = preempt_shrink()
+    path = scenario_trace(tmp_path, "preempt-shrink", "legacy")
+    code, out, err = run(capsys, "compare", path, "--json")
+    assert (code, err) == (0, "")
+    doc = json.loads(out)
+    legacy, ledger = doc["policies"]
+    assert doc["baseline"] == "legacy" and doc["decisions"] == "derived"
+    assert legacy["violations_by_invariant"].get("I1", 0) > 0 and ledger["violations"] == 0
+    # The memory cost of safety, recomputed here the slow way.
+    want = _page_builds(sc.header, sc.events, "ledger") - _page_builds(sc.header, sc.events, "legacy")
+    assert ledger["extra_page_builds"] == want > 0
+    assert ledger["mapped_page_builds"] - legacy["mapped_page_builds"] == want
+    assert doc["inputs"] == len(sc.events)
+    code, text, _ = run(capsys, "compare", path)
+    assert "memory cost of safety: ledger held" in text and "I1 unmap-under-job" in text
+    code, text, _ = run(capsys, "compare", path, "--policy", "ledger", "--policy", "legacy", "--limit", "0")
+    assert text.splitlines()[1].split() == ["ledger", "legacy"]
+
+
+# --- minimize -------------------------------------------------------------------------------
+
+
+def _codes(path: str) -> set[str]:
+    from kvreplay.check import run_check
+
+    return {v.code for v in run_check(path, progress=False).ledger.violations}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_minimize_scenarios(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    path = scenario_trace(tmp_path, name, "legacy")
+    before = _codes(path)
+    out = str(tmp_path / "min.kvj")
+    code, text, err = run(capsys, "minimize", path, "-o", out)
+    assert (code, err) == (0, ""), err
+    events = read_journal(out).events
+    assert len(events) <= 8
+    assert f"to {len(events)} events" in text
+    # Same kind, nothing else: no report without its job, no free without its alloc (I3).
+    after = _codes(out)
+    assert after and after <= before
+
+
+def test_minimize_the_randomized_workload(
+    synth_legacy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "min.kvj")
+    code, text, err = run(capsys, "minimize", synth_legacy, "-o", out)
+    assert (code, err) == (0, "")
+    c = read_journal(out)
+    assert len(c.events) <= 12, text
+    assert _codes(out) == {"unmap-under-job"}
+    assert c.header.policy is Policy.LEGACY and c.header.meta["minimized_from"] == "synth-legacy.kvj"
+    assert "late copy" in text  # the witness is complete: the job's copy finishes after the unmap
+
+
+def test_minimize_keeps_recorded_decisions_when_they_are_the_bug(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Under ledger the eager allocator never unmaps under a job; a buggy allocator did.
+    h = Header(page_bytes=4096, pools=(PoolGeometry(1024, 16),), policy=Policy.LEDGER)
+    ev: list[Event] = [
+        RequestAdded(0, "a"),
+        RequestAdded(1, "b"),
+        PageMapped(0),
+        PageMapped(1),
+        BlockAlloc(0, (0, 1, 4)),
+        JobBuilt(0, JobKind.STORE, 0, ((0, 1),), 1),
+        BuildBoundary(0),
+        BlockFree(0, (0, 1)),
+        BuildBoundary(1),
+        BuildBoundary(2),
+        PageUnmapped(0),
+        JobReported(0, 1),
+        BlockFree(0, (4,)),
+        BuildBoundary(3),
+    ]
+    path = write(tmp_path / "buggy.kvj", h, ev)
+    out = str(tmp_path / "min.kvj")
+    code, text, err = run(capsys, "minimize", path, "-o", out)
+    assert (code, err) == (0, "")
+    assert "recorded decisions kept" in text
+    events = read_journal(out).events
+    assert any(type(e) is PageUnmapped for e in events) and len(events) <= 7
+    assert _codes(out) == {"unmap-under-job"}
+    code, _, err = run(capsys, "minimize", path, "-o", out, "--decisions", "derive")
+    assert code == 2 and err.count("\n") == 1 and path in err
+
+
+def test_minimize_clean_trace_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "finish-in-write-step", "ledger")
+    code, out, err = run(capsys, "minimize", path, "-o", str(tmp_path / "m.kvj"))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "no violation to minimize" in err
+    # ... unless asked what legacy would have done with the same inputs.
+    code, out, err = run(capsys, "minimize", path, "-o", str(tmp_path / "m.kvj"), "--policy", "legacy")
+    assert code == 0 and "decisions re-derived under legacy" in out
+
+
+# --- show, stats, plot ----------------------------------------------------------------------
+
+
+def test_show_page_job_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "finish-in-write-step", "legacy")
+    code, out, _ = run(capsys, "show", path, "--page", "0")
+    assert code == 0
+    assert "PageUnmapped(page=0)" in out and "!! I1 unmap-under-job" in out and "JobBuilt(job=0" in out
+    assert out.splitlines()[-1].startswith("at the end: page 0: unmapped")
+    code, out, _ = run(capsys, "show", path, "--job", "0")
+    lines = out.splitlines()
+    assert "JobBuilt(job=0" in lines[1] and "reported 1/1: complete" in lines[-1]
+    assert any("PageUnmapped(page=0)" in line and "(unmapped)" in line for line in lines)
+    code, by_name, _ = run(capsys, "show", path, "--request", "req-one-token")
+    code, by_id, _ = run(capsys, "show", path, "--request", "0")
+    assert by_name == by_id and "RequestFinished(req=0)" in by_name
+    code, out, err = run(capsys, "show", path, "--page", "999")
+    assert code == 2 and "no page 999" in err
+    code, out, _ = run(capsys, "show", path, "--page", "0", "--limit", "2")
+    assert "more line(s)" in out
+
+
+def test_stats_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "preempt-shrink", "ledger")
+    code, out, _ = run(capsys, "stats", path, "--json", "--rows", "0")
+    doc = json.loads(out)
+    assert code == 0 and doc["builds"] == len(doc["rows"]) == 24
+    for r in doc["rows"]:
+        assert r["mapped_max"] == r["in_use_max"] + r["empty_max"]
+        assert r["free_max"] == doc["num_pages"] - r["mapped_max"]
+    assert doc["totals"]["empty_page_builds"] > 0  # pins kept empty pages mapped
+    code, out, _ = run(capsys, "stats", path, "--rows", "4")
+    assert code == 0 and len(out.splitlines()) == 1 + 1 + 4 + 1
+    legacy = scenario_trace(tmp_path, "preempt-shrink", "legacy")
+    _, out, _ = run(capsys, "stats", legacy, "--json")
+    assert json.loads(out)["totals"]["empty_page_builds"] == 0  # legacy gives empty pages back at once
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "sliding-window-late-store", "legacy")
+    png = tmp_path / "m.png"
+    code, out, err = run(capsys, "plot", path, "-o", str(png))
+    assert (code, err) == (0, "") and out.startswith(f"wrote {png}")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, err = run(capsys, "plot", path, "-o", str(tmp_path / "no" / "such" / "dir.png"))
+    assert code == 2 and err.count("\n") == 1
+
+
+# --- snapshots ------------------------------------------------------------------------------
+
+
+def test_from_snapshot_gives_the_same_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "preempt-shrink", "legacy")
+    _, full, _ = run(capsys, "check", path, "--json")
+    want = json.loads(full)
+    assert want.pop("from_snapshot") is None
+    n = want["summary"]["events"]
+    snap = str(tmp_path / "s.snap")
+    for at in range(0, n + 1, 7):
+        code, out, _ = run(capsys, "snapshot", path, "--at", str(at), "-o", snap)
+        assert code == 0 and f"first {at} events" in out
+        code, out, _ = run(capsys, "check", path, "--json", "--from-snapshot", snap)
+        got = json.loads(out)
+        assert got.pop("from_snapshot") == at
+        assert got == want
+        assert code == 1
+    code, out, _ = run(capsys, "stats", path, "--json", "--from-snapshot", snap)
+    assert code == 0
+
+
+def test_snapshot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "preempt-shrink", "legacy")
+    other = scenario_trace(tmp_path, "finish-in-write-step", "legacy")
+    snap = str(tmp_path / "s.snap")
+    assert run(capsys, "snapshot", path, "--at", "10", "-o", snap)[0] == 0
+    cases = [
+        (["check", other, "--from-snapshot", snap], "another geometry"),
+        (["check", path, "--from-snapshot", other], "not a kvreplay snapshot"),
+        (["check", path, "--from-snapshot", str(tmp_path / "missing")], "cannot read the snapshot"),
+        (["check", path, "--from-snapshot", snap, "--policy", "ledger"], "not ledger"),
+        (["check", path, "--from-snapshot", snap, "--derive"], "--derive"),
+        (["snapshot", path, "--at", "100000", "-o", snap], "past the end"),
+    ]
+    for argv, what in cases:
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and err.count("\n") == 1 and what in err, (argv, err)
+    # A snapshot of the right type but the wrong shape is refused before it can fail mid-replay.
+    s = msgspec.msgpack.decode(Path(snap).read_bytes(), type=LedgerSnapshot)
+    Path(snap).write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(s, page_alloc=[0])))
+    code, _, err = run(capsys, "check", path, "--from-snapshot", snap)
+    assert code == 2 and "not a consistent snapshot" in err
+
+
+# --- progress, help, demo -------------------------------------------------------------------
+
+
+def test_progress_bar_only_on_a_terminal(
+    synth_legacy: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, plain, err = run(capsys, "check", synth_legacy, "--json")
+    assert err == ""
+    monkeypatch.setattr(tracefile, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    code2, with_bar, _ = run(capsys, "check", synth_legacy, "--json")
+    assert (code2, with_bar) == (code, plain)
+
+
+@pytest.mark.parametrize("cmd", ["check", "compare", "minimize", "show", "stats", "plot", "snapshot", "demo"])
+def test_help(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([cmd, "--help"])
+    assert exc.value.code == 0
+    assert "usage: kvreplay" in capsys.readouterr().out
+
+
+def test_demo_still_works(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "demo", "finish-in-write-step")
+    assert code == 0 and "freed-block copy found under legacy in 1 of 1" in out
+
+
+def test_example_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "demo", "--save", str(tmp_path / "ex"), "finish-in-write-step")
+    assert code == 0 and len(out.splitlines()) == 2
+    assert run(capsys, "check", str(tmp_path / "ex" / "finish-in-write-step-legacy.kvj"))[0] == 1
+    assert run(capsys, "check", str(tmp_path / "ex" / "finish-in-write-step-ledger.kvj"))[0] == 0
+    path = str(tmp_path / "s.kvj")
+    code, out, _ = run(capsys, "synth", "-o", path, "--events", "3000", "--inputs-only")
+    assert code == 0 and "3,000 events" in out
+    assert not any(type(e) in DECISIONS for e in read_journal(path).events)
+    assert run(capsys, "check", path, "--derive", "--policy", "ledger")[0] == 0
+
+
+# --- golden traces --------------------------------------------------------------------------
+
+
+def _goldens() -> list[Path]:
+    return sorted(p for p in TRACES.glob("*.kvj") if p.with_suffix(".check.json").exists())
+
+
+@pytest.mark.parametrize("trace", _goldens() or [None], ids=lambda p: p.name if p else "none-yet")
+def test_golden_trace(trace: Path | None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Replays a golden trace and compares with its expected report.
+
+    Regenerate one (with a reason in the commit message):
+    ``kvreplay check traces/NAME.kvj --json > traces/NAME.check.json``.
+    """
+    if trace is None:
+        pytest.skip("no golden traces in traces/ yet (NAME.kvj + NAME.check.json)")
+    expected = json.loads(trace.with_suffix(".check.json").read_text())
+    code, out, err = run(capsys, "check", str(trace), "--json")
+    assert err == ""
+    assert json.loads(out) == expected
+    assert code == (0 if expected["clean"] else 1)
+
+
+def test_golden_report_is_independent_of_the_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = scenario_trace(tmp_path, "last-block-next-build", "legacy")
+    _, here, _ = run(capsys, "check", path, "--json")
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        _, there, _ = run(capsys, "check", os.path.basename(path), "--json")
+    finally:
+        os.chdir(cwd)
+    assert here == there
+
+
+def test_decisions_and_inputs_split_is_what_minimize_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = scenario_trace(tmp_path, "last-block-next-build", "legacy")
+    out = str(tmp_path / "m.kvj")
+    _, text, _ = run(capsys, "minimize", path, "-o", out)
+    events = read_journal(out).events
+    n_dec = sum(1 for e in events if type(e) in DECISIONS)
+    assert f"({len(events) - n_dec} inputs, {n_dec} decisions)" in text
+    assert all(type(e) is not BlockFree or e.blocks for e in events)
+    assert struct.unpack("<H", Path(out).read_bytes()[8:10]) == (1,)

@@ -1,0 +1,160 @@
+"""``kvreplay check``: replay a trace through the ledger and report every invariant violation.
+
+This is the command a maintainer runs on a user's journal, so it answers in the order a person
+reads: each violation as one line that names the file, the event index, the build, the page,
+the job and the request, followed by its witness chain (pin -> free -> unmap -> late copy),
+then a count by kind and a one-line summary. The replay takes the trace's recorded map/unmap
+decisions under its recorded policy by default, because the question is "what did this server
+do"; ``--derive`` asks instead what the most eager allocator would have done. ``--json`` emits
+the same findings as a deterministic document (sorted keys, file name without directories, no
+times or versions) because golden traces keep it beside them as their expected report. A
+malformed event sequence (a report for a job never built, a double free) is an I3 violation
+found by the ledger: it is reported like any other and exits 1, and the replay goes on, since
+an I1 after it is still worth seeing; only a file that cannot be read exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import sys
+from collections import Counter
+from typing import Any, Final
+
+import msgspec
+
+from kvcached.ledger.findings import Violation
+from kvcached.ledger.journal import TornTail
+from kvcached.ledger.ledger import Ledger
+
+from .tracefile import Trace, feed, header_json, json_name, start_ledger
+
+SCHEMA: Final = 1
+
+
+@dataclasses.dataclass
+class CheckResult:
+    path: str
+    ledger: Ledger
+    derived: bool
+    from_snapshot: int | None
+    torn_tail: TornTail | None
+    policy_overridden: bool
+
+
+def run_check(
+    path: str,
+    *,
+    policy: str | None = None,
+    derived: bool = False,
+    snapshot: str | None = None,
+    progress: bool = True,
+) -> CheckResult:
+    with Trace(path, progress=progress) as trace:
+        ledger, skip = start_ledger(trace, policy, snapshot)
+        for batch in trace.batches(skip, "checking"):
+            feed(ledger, batch, derived)
+        return CheckResult(
+            path=path,
+            ledger=ledger,
+            derived=derived,
+            from_snapshot=skip if snapshot is not None else None,
+            torn_tail=trace.torn_tail,
+            policy_overridden=policy is not None and ledger.policy is not trace.header.policy,
+        )
+
+
+def report(result: CheckResult) -> dict[str, Any]:
+    """The machine-readable report: what ``check --json`` prints and golden files hold."""
+    lg = result.ledger
+    torn = result.torn_tail
+    return {
+        "schema": SCHEMA,
+        "trace": json_name(result.path),
+        "header": header_json(lg.header),
+        "policy": lg.policy.value,
+        "decisions": "derived" if result.derived else "recorded",
+        "from_snapshot": result.from_snapshot,
+        "torn_tail": msgspec.to_builtins(torn) if torn is not None else None,
+        "summary": lg.counters(),
+        "violations_by_invariant": dict(sorted(Counter(v.invariant for v in lg.violations).items())),
+        "violations_by_code": dict(sorted(Counter(v.code for v in lg.violations).items())),
+        "violations": msgspec.to_builtins(lg.violations),
+        "clean": not lg.violations,
+    }
+
+
+def dumps(doc: object) -> str:
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def witness_lines(v: Violation, prefix: str = "") -> list[str]:
+    lines = [f"{prefix}{v.one_line()}"]
+    width = max((len(str(c.index)) for c in v.chain), default=1)
+    lines += [f"  {c.step:>9}  event {c.index:>{width}}, build {c.build}: {c.what}" for c in v.chain]
+    return lines
+
+
+def kinds(violations: list[Violation]) -> str:
+    counts = Counter(f"{v.invariant} {v.code}" for v in violations)
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+
+
+def summary_line(lg: Ledger) -> str:
+    c = lg.counters()
+    return (
+        f"summary: {c['events']:,} events, {c['builds']:,} builds, {c['jobs']:,} jobs "
+        f"({c['outstanding_jobs']:,} outstanding at the end), peak {c['peak_pinned_pages']:,} pinned pages, "
+        f"{c['maps']:,} maps, {c['unmaps']:,} unmaps"
+    )
+
+
+def render(result: CheckResult, limit: int) -> str:
+    lg = result.ledger
+    out = io.StringIO()
+    how = "re-derived by an eager allocator" if result.derived else "as recorded"
+    policy = f"policy {lg.policy.value}" + (" (--policy)" if result.policy_overridden else " (recorded)")
+    start = f"; from the snapshot after event {result.from_snapshot:,}" if result.from_snapshot is not None else ""
+    print(f"{result.path}: {lg.index:,} events, {policy}, decisions {how}{start}", file=out)
+    shown = lg.violations if limit <= 0 else lg.violations[:limit]
+    for v in shown:
+        print("\n".join(witness_lines(v, f"{result.path}: ")), file=out)
+    if len(shown) < len(lg.violations):
+        print(f"... and {len(lg.violations) - len(shown):,} more (--limit 0 shows all)", file=out)
+    if lg.violations:
+        print(f"{len(lg.violations):,} violation(s): {kinds(lg.violations)}", file=out)
+    else:
+        print("clean: no invariant violated", file=out)
+    print(summary_line(lg), file=out)
+    if not result.derived and lg.maps == 0 and lg.jobs_built + lg.builds > 0:
+        print("note: the trace records no map decisions; --derive re-derives them", file=out)
+    return out.getvalue()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    result = run_check(
+        args.trace,
+        policy=args.policy,
+        derived=args.derive,
+        snapshot=args.from_snapshot,
+        progress=not args.no_progress,
+    )
+    sys.stdout.write(dumps(report(result)) if args.json else render(result, args.limit))
+    return 1 if result.ledger.violations else 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "check",
+        parents=[common],
+        help="replay a trace and report every invariant violation (exit 0 clean, 1 violation, 2 unreadable)",
+        description="Replay every event of TRACE through the ledger under its recorded policy with its recorded "
+        "map/unmap decisions, and report each invariant violation as a short witness. Exit 0 when clean, 1 when a "
+        "violation was found (a malformed sequence, such as a report for a job never built, is an I3 violation), "
+        "2 when the trace cannot be read.",
+    )
+    p.add_argument("--json", action="store_true", help="print a deterministic JSON report (golden traces keep it)")
+    p.add_argument("--limit", type=int, default=10, metavar="N", help="witnesses to print (0: all; default 10)")
+    p.set_defaults(func=cmd_check)

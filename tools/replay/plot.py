@@ -1,0 +1,108 @@
+"""``kvreplay plot``: the samples of ``stats`` as a picture, to see where the memory went.
+
+The pages of the KV range are drawn as a stack that always adds up to the whole range: in use
+(holding blocks), empty but mapped (held for a pin or not yet given back) and free (unmapped),
+with the pinned count as a line over it and each violation as a red tick at its build. A stack
+answers the question a person has when looking at an elastic cache, "how much of the memory was
+doing something", at a glance. Matplotlib is imported only here, with the Agg backend, so that
+the other subcommands start fast and no display is ever needed. Long traces are averaged into at
+most ``MAX_POINTS`` points (the pinned line keeps each bucket's maximum, so a spike survives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Final
+
+from .stats import Series, collect
+from .tracefile import ReplayError, Trace, start_ledger
+
+MAX_POINTS: Final = 2000
+
+
+def _reduce(xs: list[int], ys: list[int], points: int, peak: bool) -> tuple[list[float], list[float]]:
+    if len(xs) <= points:
+        return [float(x) for x in xs], [float(y) for y in ys]
+    n = len(xs)
+    ox, oy = [], []
+    for i in range(points):
+        lo, hi = n * i // points, n * (i + 1) // points
+        ox.append((xs[lo] + xs[hi - 1]) / 2)
+        part = ys[lo:hi]
+        oy.append(float(max(part)) if peak else sum(part) / len(part))
+    return ox, oy
+
+
+def draw(s: Series, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lg = s.ledger
+    xs = list(s.build)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
+    try:
+        if xs:
+            bx, in_use = _reduce(xs, list(s.values["in_use"]), MAX_POINTS, False)
+            _, empty = _reduce(xs, list(s.values["empty"]), MAX_POINTS, False)
+            _, free = _reduce(xs, list(s.values["free"]), MAX_POINTS, False)
+            _, pinned = _reduce(xs, list(s.values["pinned"]), MAX_POINTS, True)
+            # Few builds read best as steps (a value holds for the whole build); many as a curve.
+            steps = len(bx) < 200
+            ax.stackplot(
+                bx,
+                in_use,
+                empty,
+                free,
+                labels=["in use (blocks allocated)", "empty, still mapped", "free (unmapped)"],
+                colors=["#4878a8", "#e8a040", "#e8e8e8"],
+                step="post" if steps else None,
+            )
+            style = "steps-post" if steps else "default"
+            ax.plot(bx, pinned, color="#303030", linewidth=1.0, label="pinned", drawstyle=style)
+            marked: set[str] = set()
+            for build, invariant in s.violations:
+                label = f"{invariant} violation" if invariant not in marked else None
+                marked.add(invariant)
+                ax.axvline(build, color="#c02020", linewidth=0.8, alpha=0.7, label=label)
+        else:
+            ax.text(0.5, 0.5, "no build boundaries in the trace", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("build")
+        ax.set_ylabel(f"pages ({lg.header.page_bytes >> 20} MiB each)" if lg.header.page_bytes >= 1 << 20 else "pages")
+        ax.set_ylim(0, max(lg.num_pages, 1))
+        how = "derived" if s.derived else "recorded"
+        ax.set_title(
+            f"{os.path.basename(s.path)}: policy {lg.policy.value}, {how} decisions, {len(lg.violations)} violation(s)",
+            fontsize=10,
+        )
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+        fig.tight_layout()
+        try:
+            fig.savefig(out)
+        except OSError as exc:
+            raise ReplayError(f"{out}: cannot write the plot: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    with Trace(args.trace, progress=not args.no_progress) as trace:
+        lg, skip = start_ledger(trace, args.policy, args.from_snapshot)
+        s = collect(trace, lg, skip, args.derive)
+    draw(s, args.output)
+    print(f"wrote {args.output}: {len(s.build):,} builds, {lg.num_pages:,} pages, {len(lg.violations)} violation(s)")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "plot",
+        parents=[common],
+        help="draw mapped, pinned and free pages over builds into a PNG (matplotlib)",
+        description="Replay TRACE and draw, per build, the pages in use, empty but mapped and free as a stack, "
+        "the pinned pages as a line and violations as red ticks.",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png", help="the picture to write")
+    p.set_defaults(func=cmd_plot)

@@ -1,0 +1,221 @@
+"""Opening traces and snapshots, and the replay loop that every kvreplay subcommand shares.
+
+Every subcommand reads a journal the same way, so the rules for bad input live here once: the
+journal reader's errors (which already name file and byte offset) pass through untouched, a
+torn last frame becomes one warning line on stderr and the events before it are used, and a
+snapshot or header that cannot be trusted becomes a ``ReplayError`` with one line naming the
+file. The loop streams the trace frame by frame, so memory is bounded by one frame plus the
+ledger, whatever the length of the trace; a progress bar is drawn only when stderr is a
+terminal, and only once per frame, so that it costs nothing per event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import msgspec
+
+from kvcached.errors import KvcachedError
+from kvcached.ledger.events import Event, Header, Policy
+from kvcached.ledger.journal import JournalReader, TornTail
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.simulate import derive
+from kvcached.ledger.state import LedgerSnapshot
+
+# A header declaring more blocks than this is damage or a foreign file, not a KV cache: the
+# ledger allocates per-block tables up front, and a bogus count would exhaust memory instead of
+# failing with a line. 2**26 blocks is far above any real pool (a 141 GB GPU of 16 KiB blocks).
+MAX_BLOCKS: Final = 1 << 26
+# Below this size a trace replays faster than a progress bar can be drawn.
+PROGRESS_MIN_BYTES: Final = 1 << 20
+
+
+class ReplayError(KvcachedError):
+    """A problem kvreplay itself found in its input (a snapshot, an option for this trace)."""
+
+
+def json_name(path: str) -> str:
+    # Reports meant for machines (and golden files) must not depend on where the trace lies.
+    return os.path.basename(path)
+
+
+def header_json(header: Header) -> dict[str, object]:
+    """The parts of a header that decide a replay's outcome; producer versions and the creation
+    time are left out so that a report stays the same when only those change."""
+    return {
+        "page_bytes": header.page_bytes,
+        "pools": [{"block_bytes": p.block_bytes, "num_blocks": p.num_blocks} for p in header.pools],
+        "workers": header.workers,
+        "policy": header.policy.value,
+    }
+
+
+def warn(message: str) -> None:
+    print(f"kvreplay: warning: {message}", file=sys.stderr)
+
+
+def torn_message(path: str, torn: TornTail, events: int) -> str:
+    return (
+        f"{path}: torn tail at byte {torn.offset}: the last frame is cut off ({torn.bytes_present} of "
+        f"{torn.frame_bytes_expected} bytes present), as an interrupted write leaves it; "
+        f"using the {events} event(s) before it"
+    )
+
+
+class Trace:
+    """An open journal: its header, checked for sanity, and its events as a stream of batches."""
+
+    def __init__(self, path: str, *, progress: bool = True) -> None:
+        self.path = path
+        self.reader = JournalReader(path)
+        self.header = self.reader.header
+        total = sum(p.num_blocks for p in self.header.pools)
+        if total > MAX_BLOCKS:
+            self.reader.close()
+            raise ReplayError(
+                f"{path}: header declares {total} blocks (more than {MAX_BLOCKS}); damaged or not a KV cache trace"
+            )
+        self.events = 0  # events read so far, skipped ones included
+        self.torn_tail: TornTail | None = None
+        self._progress = progress and sys.stderr.isatty()
+
+    def policy(self, override: str | None) -> Policy:
+        return Policy(override) if override else self.header.policy
+
+    def batches(self, skip: int = 0, label: str = "replaying") -> Iterator[list[Event]]:
+        """The trace's events after the first ``skip``, a frame at a time.
+
+        Warns about a torn tail once the stream ends; a damaged frame raises ``JournalError``.
+        """
+        size = _file_size(self.path)
+        with _progress_bar(self.path, label, size, self._progress and size >= PROGRESS_MIN_BYTES) as advance:
+            for first, offset, events in self.reader.batches():
+                end = first + len(events)
+                self.events = end
+                advance(offset)
+                if end <= skip:
+                    continue
+                yield events[skip - first :] if first < skip else events
+        if skip > self.events:
+            raise ReplayError(f"{self.path}: the snapshot follows event {skip}, but the trace has {self.events}")
+        self.torn_tail = self.reader.torn_tail
+        if self.torn_tail is not None:
+            warn(torn_message(self.path, self.torn_tail, self.events))
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(path: str, label: str, size: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda offset: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn(f"{label} {os.path.basename(path)}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    task = bar.add_task(label, total=size)
+    last = [0.0]
+
+    def advance(offset: int) -> None:
+        # Frames can be small (one per build); redrawing at most 10 times a second keeps the
+        # bar off the profile.
+        now = time.monotonic()
+        if now - last[0] >= 0.1:
+            last[0] = now
+            bar.update(task, completed=offset)
+
+    with bar:
+        yield advance
+
+
+# --- the ledger a replay starts from --------------------------------------------------------
+
+
+def load_snapshot(path: str) -> LedgerSnapshot:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ReplayError(f"{path}: cannot read the snapshot: {exc.strerror or exc}") from None
+    try:
+        return msgspec.msgpack.decode(data, type=LedgerSnapshot)
+    except msgspec.DecodeError as exc:
+        what = " ".join(str(exc).split())
+        raise ReplayError(f"{path}: not a kvreplay snapshot: {what}") from None
+
+
+def start_ledger(trace: Trace, policy: str | None, snapshot: str | None) -> tuple[Ledger, int]:
+    """A ledger for ``trace`` and how many of its events are already in it (from a snapshot)."""
+    if snapshot is None:
+        return Ledger(trace.header, trace.policy(policy)), 0
+    snap = load_snapshot(snapshot)
+    h, s = trace.header, snap.header
+    if (h.page_bytes, h.pools, h.workers) != (s.page_bytes, s.pools, s.workers):
+        raise ReplayError(f"{snapshot}: taken from a trace of another geometry than {trace.path}")
+    if policy is not None and Policy(policy) is not snap.policy:
+        raise ReplayError(f"{snapshot}: taken under policy {snap.policy.value}, not {policy}; replay from the start")
+    try:
+        ledger = Ledger(h, snap.policy, liveness_builds=snap.liveness_builds)
+        _check_snapshot_shape(ledger, snap)
+        return Ledger.restore(snap), snap.index
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        raise ReplayError(f"{snapshot}: not a consistent snapshot ({type(exc).__name__}: {exc})") from None
+
+
+def _check_snapshot_shape(ledger: Ledger, snap: LedgerSnapshot) -> None:
+    # Restore trusts its input's sizes; a snapshot of the wrong shape would fail much later,
+    # in the middle of the replay, with an IndexError and no hint of the cause.
+    n = ledger.num_pages
+    sizes = (len(snap.page_alloc), len(snap.mapped), len(snap.epoch), len(snap.unmap_ix), len(snap.pfree_ix))
+    if any(k != n for k in sizes) or len(snap.pools) != len(ledger.header.pools):
+        raise ValueError(f"its page tables do not have the trace's {n} pages")
+    for pool, geo in zip(snap.pools, ledger.header.pools, strict=True):
+        nb = geo.num_blocks
+        if {len(pool.alloc), len(pool.epoch), len(pool.alloc_ix), len(pool.free_ix)} != {nb}:
+            raise ValueError(f"its block tables do not have the trace's {nb} blocks")
+    if snap.index < 0 or any(p >= n for r in snap.jobs for p in r.pages):
+        raise ValueError("an index or page out of range")
+
+
+def feed(ledger: Ledger, batch: list[Event], derived: bool) -> None:
+    """Applies one batch: as recorded, or with the decisions re-derived under the ledger's policy."""
+    if derived:
+        deque(derive(ledger, batch), maxlen=0)
+    else:
+        ledger.apply_all(batch)
+
+
+def write_snapshot(ledger: Ledger, path: str) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(msgspec.msgpack.encode(ledger.snapshot()))
+    except OSError as exc:
+        raise ReplayError(f"{path}: cannot write the snapshot: {exc.strerror or exc}") from None
