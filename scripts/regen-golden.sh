@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Regenerate the golden traces: run the real-vLLM scenarios under both policies, keep their
+# journals in traces/, and write each one's expected report (`kvreplay check --json`).
+# A golden file changes only with a reason in the commit message.
+source "$(dirname "$0")/_env.sh"
+ensure_vllm_env
+GOLDEN=(finish-in-write-step sliding-window preempt-shrink tp2-late-report random-workload-1)
+.venv-vllm/bin/python -m kvcached.vllm_bridge.scenarios --capture traces "${GOLDEN[@]}"
+for trace in traces/*.kvj; do
+    rc=0
+    .venv/bin/kvreplay check --json "$trace" >"${trace%.kvj}.check.json" || rc=$?
+    [ "$rc" -le 1 ] || { echo "kvreplay check failed on $trace" >&2; exit 1; }
+done
+ls -l traces
