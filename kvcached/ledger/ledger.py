@@ -22,6 +22,7 @@ recorded as a value and the ledger keeps going: replay must see every violation,
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Callable, Iterable, Set
 from typing import Any
 
@@ -116,9 +117,10 @@ class Ledger:
         self.index = 0
         self.build = 0  # the build being assembled: jobs seen now belong to it
         # Event index of each BuildBoundary and the build it closed, so that a witness can say
-        # in which build an old event happened (8 bytes per build, not per event).
-        self._boundary_ix: list[int] = []
-        self._boundary_build: list[int] = []
+        # in which build an old event happened: 16 bytes per build in two int64 arrays (a list
+        # would cost ~90 bytes a build and make a 10-million-event replay grow visibly).
+        self._boundary_ix = array("q")
+        self._boundary_build = array("q")
         self.limit: int | None = None
         self.mapped_pages = 0
         self.pinned_pages = 0

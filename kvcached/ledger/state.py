@@ -8,6 +8,7 @@ start a long trace in the middle and let the journal service write checkpoints.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -165,8 +166,8 @@ def restore_snapshot(lg: Ledger, s: LedgerSnapshot) -> None:
     lg._finished = dict(s.finished)
     lg._finish_due = {k: list(v) for k, v in s.finish_due.items()}
     lg._preempted = dict(s.preempted)
-    lg._boundary_ix = list(s.boundary_ix)
-    lg._boundary_build = list(s.boundary_build)
+    lg._boundary_ix = array("q", s.boundary_ix)
+    lg._boundary_build = array("q", s.boundary_build)
     lg.limit = s.limit
     lg.lossy = s.lossy
     lg.dropped_events = s.dropped_events
