@@ -472,7 +472,8 @@ class Ledger:
         self.jobs_built += 1
 
     def _job_reported(self, ev: JobReported) -> None:
-        job = ev.job
+        # Local annotations are for mypyc: typed ints and tuples compile to native operations.
+        job: int = ev.job
         st = self._jobs.get(job)
         if st is None:
             if not self.lossy:
@@ -481,9 +482,10 @@ class Ledger:
                     f"job {job} reported but not outstanding (never built, or already fully reported)", job=job,
                 )
             return
-        reported = st[4] + ev.count
+        count: int = ev.count
+        reported: int = st[4] + count
         st[4] = reported
-        workers = st[3]
+        workers: int = st[3]
         if reported < workers:
             return
         if reported > workers:
@@ -493,7 +495,8 @@ class Ledger:
             )
         del self._jobs[job]
         page_jobs, pins = self._page_jobs, self._pins
-        for p in st[2]:
+        pages: tuple[int, ...] = st[2]
+        for p in pages:
             s = page_jobs[p]
             s.discard(job)
             if not s:
@@ -505,7 +508,7 @@ class Ledger:
                 if not self._legacy and self._mapped[p] and not self._page_alloc[p]:
                     self._unmappable.add(p)
                     self._fresh.append(p)
-        req = st[1]
+        req: int = st[1]
         jobs = self._req_jobs[req]
         jobs.discard(job)
         if not jobs:
