@@ -205,9 +205,11 @@ class KVCacheManager:
         """``n`` blocks, from partly used pages first; all or nothing."""
         if n <= 0:
             return []
-        avail = self.available_size()
-        if n > avail:
-            raise OutOfBlocksError(f"asked for {n} KV blocks, {avail} available ({self.allocator.state().describe()})")
+        if n > self._partial_free:  # the common case, free blocks on pages in use, needs no page count
+            avail = self.available_size()
+            if n > avail:
+                state = self.allocator.state().describe()
+                raise OutOfBlocksError(f"asked for {n} KV blocks, {avail} available ({state})")
         out: list[int] = []
         fresh: list[int] = []
         partial = self._partial
