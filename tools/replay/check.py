@@ -66,16 +66,23 @@ def run_check(
         )
 
 
+def report_head(path: str, lg: Ledger, derived: bool) -> dict[str, Any]:
+    """The fields every JSON report of one replayed trace starts with."""
+    return {
+        "schema": SCHEMA,
+        "trace": json_name(path),
+        "header": header_json(lg.header),
+        "policy": lg.policy.value,
+        "decisions": "derived" if derived else "recorded",
+    }
+
+
 def report(result: CheckResult) -> dict[str, Any]:
     """The machine-readable report: what ``check --json`` prints and golden files hold."""
     lg = result.ledger
     torn = result.torn_tail
     return {
-        "schema": SCHEMA,
-        "trace": json_name(result.path),
-        "header": header_json(lg.header),
-        "policy": lg.policy.value,
-        "decisions": "derived" if result.derived else "recorded",
+        **report_head(result.path, lg, result.derived),
         "from_snapshot": result.from_snapshot,
         "torn_tail": msgspec.to_builtins(torn) if torn is not None else None,
         "summary": lg.counters(),

@@ -24,8 +24,8 @@ from kvcached.ledger.events import BlockAlloc, BlockFree, BuildBoundary, PageMap
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive
 
-from .check import SCHEMA, dumps
-from .tracefile import Trace, header_json, json_name, start_ledger
+from .check import dumps, report_head
+from .tracefile import Trace, start_ledger
 
 METRICS = ("mapped", "in_use", "empty", "pinned", "unmappable", "free")
 
@@ -110,11 +110,7 @@ def report(s: Series, buckets: int) -> dict[str, Any]:
     lg = s.ledger
     v = s.values
     return {
-        "schema": SCHEMA,
-        "trace": json_name(s.path),
-        "header": header_json(lg.header),
-        "policy": lg.policy.value,
-        "decisions": "derived" if s.derived else "recorded",
+        **report_head(s.path, lg, s.derived),
         "num_pages": lg.num_pages,
         "builds": len(s.build),
         "totals": {
