@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -144,15 +143,14 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.runs, args.events)))
         return 0
-    results: dict[str, dict[str, object]] = {}
+    from _builds import builds
+    from _builds import child as run_child
+
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = os.path.join(tmp, "compiled")
-        subprocess.run(["bash", str(ROOT / "scripts/build-compiled.sh"), compiled], check=True)
-        for name, path in (("pure", str(ROOT)), ("compiled", compiled)):
-            env = dict(os.environ, PYTHONPATH=path)
-            cmd = [sys.executable, "-P", __file__, "--child", "--runs", str(args.runs), "--events", str(args.events)]
-            proc = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tmp)
-            results[name] = json.loads(proc.stdout)
+        results: dict[str, dict[str, object]] = {
+            name: run_child(path, __file__, "--runs", str(args.runs), "--events", str(args.events), cwd=tmp)
+            for name, path in builds(tmp).items()
+        }
     if args.json:
         print(json.dumps(results, indent=1))
         return 0

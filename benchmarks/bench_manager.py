@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,15 +56,12 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.runs, args.n)))
         return 0
-    res = {}
+    from _builds import builds
+    from _builds import child as run_child
+
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = os.path.join(tmp, "compiled")
-        subprocess.run(["bash", str(ROOT / "scripts/build-compiled.sh"), compiled], check=True)
-        for name, path in (("pure", str(ROOT)), ("compiled", compiled)):
-            cmd = [sys.executable, "-P", __file__, "--child", "--runs", str(args.runs), "--n", str(args.n)]
-            env = dict(os.environ, PYTHONPATH=path)
-            proc = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-            res[name] = json.loads(proc.stdout)
+        argv = ("--runs", str(args.runs), "--n", str(args.n))
+        res = {name: run_child(path, __file__, *argv) for name, path in builds(tmp).items()}
     print(f"median of {args.runs} runs of {args.n} alloc(1)+free pairs (host backend, ledger events included)")
     print(f"{'policy':10} {'pure Python':>14} {'compiled':>14} {'budget':>8}")
     for policy in ("ledger", "legacy"):

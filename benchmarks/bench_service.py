@@ -216,18 +216,14 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.runs, args.events)))
         return 0
-    results: dict[str, dict[str, Any]] = {}
+    from _builds import builds
+    from _builds import child as run_child
+
     with tempfile.TemporaryDirectory() as tmp:
-        builds = [("pure", str(ROOT))]
-        if not args.pure_only:
-            compiled = os.path.join(tmp, "compiled")
-            subprocess.run(["bash", str(ROOT / "scripts/build-compiled.sh"), compiled], check=True)
-            builds.append(("compiled", compiled))
-        for name, path in builds:
-            env = dict(os.environ, PYTHONPATH=path)
-            cmd = [sys.executable, "-P", __file__, "--child", "--runs", str(args.runs), "--events", str(args.events)]
-            proc = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tmp)
-            results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results: dict[str, dict[str, Any]] = {
+            name: run_child(path, __file__, "--runs", str(args.runs), "--events", str(args.events), cwd=tmp)
+            for name, path in builds(tmp, compiled=not args.pure_only).items()
+        }
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
