@@ -110,13 +110,15 @@ class Bridge:
             self._hold_windows(scheduler_output)
         meta = self._orig["build_connector_meta"](scheduler_output)
         emit, workers = self._emit, self.workers
-        for job_id, job in meta.load_jobs.items():
+        # Sorted: vLLM hands some of these over as sets of strings, whose order changes with the
+        # hash seed, and a journal of the same run must be the same bytes (golden traces).
+        for job_id, job in sorted(meta.load_jobs.items()):
             emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (_block_ids(job.dst_spec),), workers))
-        for job_id, job in meta.store_jobs.items():
+        for job_id, job in sorted(meta.store_jobs.items()):
             emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (_block_ids(job.src_spec),), workers))
-        for rid in scheduler_output.preempted_req_ids or ():
+        for rid in sorted(scheduler_output.preempted_req_ids or ()):
             emit(RequestPreempted(self.req(rid)))
-        for rid in scheduler_output.finished_req_ids or ():
+        for rid in sorted(scheduler_output.finished_req_ids or ()):
             r = self._req_ids.pop(rid, None)
             if r is not None:
                 self._held.discard(r)
@@ -134,7 +136,7 @@ class Bridge:
                 self._hold(rid, groups)
 
     def _hold(self, request_id: str, groups: tuple[list[int], ...]) -> None:
-        blocks = tuple(b for g in self.windows if g < len(groups) for b in groups[g] if b)
+        blocks = tuple(b for g in sorted(self.windows) if g < len(groups) for b in groups[g] if b)
         if blocks:
             r = self.req(request_id)
             self._held.add(r)
