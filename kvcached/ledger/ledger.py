@@ -344,7 +344,8 @@ class Ledger:
             return
         alloc, bpage, bepoch, aix = self._alloc[pool], self._bpage[pool], self._bepoch[pool], self._balloc_ix[pool]
         page_alloc, mapped, epoch, i, nb = self._page_alloc, self._mapped, self._epoch, self.index, len(alloc)
-        for b in ev.blocks:
+        blocks: tuple[int, ...] = ev.blocks  # typed for mypyc: native ints in the loop
+        for b in blocks:
             if b >= nb:
                 checks.bad_block(self, pool, b, "BlockAlloc")
                 continue
@@ -369,7 +370,8 @@ class Ledger:
             return
         alloc, bpage, fix, pfix = self._alloc[pool], self._bpage[pool], self._bfree_ix[pool], self._pfree_ix
         page_alloc, grace, pins, i, nb = self._page_alloc, self._grace, self._pins, self.index, len(alloc)
-        for b in ev.blocks:
+        blocks: tuple[int, ...] = ev.blocks  # typed for mypyc: native ints in the loop
+        for b in blocks:
             if b >= nb:
                 checks.bad_block(self, pool, b, "BlockFree")
                 continue
@@ -412,7 +414,9 @@ class Ledger:
         epoch, mapped = self._epoch, self._mapped
         lost = False
         last = -1
-        for pool, ids in enumerate(ev.blocks):
+        groups: tuple[tuple[int, ...], ...] = ev.blocks
+        for pool in range(len(groups)):
+            ids: tuple[int, ...] = groups[pool]
             if not ids:
                 continue
             if pool >= self._npools:
