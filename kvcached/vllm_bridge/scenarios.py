@@ -121,14 +121,15 @@ def _vllm_version() -> str:
     return str(vllm.__version__)
 
 
-Body = Callable[[Harness, Kvcached], None]
+# A scenario's body drives the harness; what it returns is kept as the outcome's notes.
+Body = Callable[[Harness, Kvcached], "dict[str, Any] | None"]
 
 
 def _run(name: str, policy: str, cfg: HarnessConfig, body: Body, journal: str | None) -> Outcome:
     kvc = Kvcached(policy, journal=journal)
     h = Harness(cfg, kv_memory=kvc.kv_memory, on_scheduler_built=kvc.on_scheduler_built)
     try:
-        body(h, kvc)
+        notes = body(h, kvc) or {}
         h.run_until_idle(max_steps=400)
         mism = h.verify_loads()
         assert kvc.manager is not None
@@ -144,14 +145,14 @@ def _run(name: str, policy: str, cfg: HarnessConfig, body: Body, journal: str | 
             outstanding_jobs_left=lg.outstanding_jobs(),
             shrink_pending=kvc.manager.state().shrink_pending,
             steps=h.step_index,
-            notes=dict(getattr(h, "notes", {})),
+            notes=notes,
         )
     finally:
         h.close()
         kvc.close()
 
 
-def _twice(prompt_len: int, max_tokens: int, tp_delay: int = 0) -> Callable[[Harness, Kvcached], None]:
+def _twice(prompt_len: int, max_tokens: int, tp_delay: int = 0) -> Body:
     """Store a prompt, reset the GPU prefix cache, send it again: its prefix loads from the CPU tier."""
 
     def body(h: Harness, kvc: Kvcached) -> None:
@@ -166,7 +167,7 @@ def _twice(prompt_len: int, max_tokens: int, tp_delay: int = 0) -> Callable[[Har
     return body
 
 
-def _preempt_shrink(h: Harness, kvc: Kvcached) -> None:
+def _preempt_shrink(h: Harness, kvc: Kvcached) -> dict[str, Any]:
     """P2: window holds of preempted requests while the limit is lowered and the cache reset."""
     prompts = [h.make_prompt(96, seed=s) for s in (11, 12, 13, 14)]
     for p in prompts:
@@ -181,19 +182,20 @@ def _preempt_shrink(h: Harness, kvc: Kvcached) -> None:
     h.step()
     after = m.state()
     h.run_until_idle(max_steps=400)  # must not deadlock: the holds go when matching drops them
+    done = not m.state().shrink_pending  # before the limit is raised again
     m.set_limit_pages(g.num_pages)
     assert h.reset_prefix_cache()
     for p in prompts[:2]:
         h.add_request(prompt=p, max_tokens=2)
-    h.notes = {  # type: ignore[attr-defined]
+    return {
         "mapped_when_limited": st.mapped,
         "limit": limit,
         "shrink_after_preemption": after.waiting_on,
-        "shrink_done": not m.state().shrink_pending,
+        "shrink_done": done,
     }
 
 
-def _random_workload(seed: int) -> Callable[[Harness, Kvcached], None]:
+def _random_workload(seed: int) -> Body:
     def body(h: Harness, kvc: Kvcached) -> None:
         rng = random.Random(seed)
         shared = h.make_prompt(64, seed=seed)
