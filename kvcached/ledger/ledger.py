@@ -446,7 +446,7 @@ class Ledger:
             except IndexError:
                 checks.bad_block(self, pool, max(ids), f"job {job}")
                 return
-        if len(pages) > 1:
+        if len(pages) > 1 and not _increasing(pages):  # runs of blocks give increasing pages
             pages = list(dict.fromkeys(pages))
         if lost:
             checks.lost_blocks(self, ev)
@@ -625,3 +625,11 @@ class Ledger:
         restore_snapshot(ledger, snap)
         return ledger
 
+
+def _increasing(xs: list[int]) -> bool:
+    prev = -1
+    for x in xs:
+        if x <= prev:
+            return False
+        prev = x
+    return True
