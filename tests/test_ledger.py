@@ -326,3 +326,14 @@ def test_why_explains_in_words() -> None:
     text = lg.why(0).describe()
     assert "store job 2 of request req-x since build 0, waiting on 2 worker(s)" in text
     assert "grace" in text
+
+
+def test_a_page_that_never_comes_free_keeps_a_bounded_job_list() -> None:
+    # One job always in flight over page 0, thousands built and reported: the page's job list
+    # must not grow with the history, and why() must name exactly the outstanding job.
+    lg = ledger("ledger", PageMapped(0), BlockAlloc(0, (0,)), JobBuilt(0, STORE, 0, ((0,),), 1))
+    for job in range(1, 5000):
+        lg.apply(JobBuilt(job, STORE, 0, ((0,),), 1))
+        lg.apply(JobReported(job - 1, 1))
+    assert [p.job for p in lg.why(0).pins] == [4999]
+    assert len(lg._page_jobs[0]) < 20

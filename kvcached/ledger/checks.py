@@ -95,7 +95,7 @@ def _load_into_unmapped(lg: Ledger, ev: JobBuilt, pool: int, ids: Sequence[int],
 
 def unmap_under_jobs(lg: Ledger, p: int) -> None:
     """The page goes while jobs still copy from or to it: the freed-block copy itself."""
-    for job in sorted(lg._page_jobs[p]):
+    for job in lg.jobs_on(p):
         kind, req, _, workers, reported, build, index = lg._jobs[job]
         chain = _links(
             lg,

@@ -101,7 +101,11 @@ class Ledger:
         self._unmap_ix = [-1] * pages
         self._pfree_ix = [-1] * pages
         self._pins = [0] * pages
-        self._page_jobs: dict[int, set[int]] = {}
+        # Jobs built over each page since its job pins were last zero, oldest first. A report does
+        # not touch this (it only counts _jobpins down), so entries of reported jobs linger until
+        # the page's next job starts a fresh list; readers filter with jobs_on(page).
+        self._page_jobs: dict[int, list[int]] = {}
+        self._jobpins = [0] * pages
         self._grace: dict[int, int] = {}  # page -> index of the free that emptied it
         self._grace_due: dict[int, list[int]] = {}  # build -> pages whose grace ends there
         self._holds: dict[int, dict[int, int]] = {}  # page -> {req: since build}
@@ -217,10 +221,17 @@ class Ledger:
     def request_name(self, req: int) -> str:
         return self._names.get(req, f"r{req}")
 
+    def jobs_on(self, page: int) -> list[int]:
+        """Outstanding jobs pinning ``page``, by id, in O(jobs built on it since it was last free)."""
+        if not self._jobpins[page]:
+            return []
+        jobs = self._jobs
+        return sorted(j for j in self._page_jobs[page] if j in jobs and page in jobs[j][2])
+
     def why(self, page: int) -> PageStatus:
         """Every reason ``page`` is kept, in O(pins on the page)."""
         pins: list[PinReason] = []
-        for job in sorted(self._page_jobs.get(page, ())):
+        for job in self.jobs_on(page):
             kind, req, _, workers, reported, build, _ = self._jobs[job]
             pins.append(
                 PinReason(
@@ -458,13 +469,18 @@ class Ledger:
             self._req_jobs[ev.req] = {job}
         else:
             rj.add(job)
-        page_jobs, pins, legacy, unm = self._page_jobs, self._pins, self._legacy, self._unmappable
+        page_jobs, jobpins, pins = self._page_jobs, self._jobpins, self._pins
+        legacy, unm = self._legacy, self._unmappable
         for p in pages:
-            s = page_jobs.get(p)
-            if s is None:
-                page_jobs[p] = {job}
+            k = jobpins[p]
+            jobpins[p] = k + 1
+            if not k:
+                page_jobs[p] = [job]
             else:
-                s.add(job)
+                lst = page_jobs[p]
+                lst.append(job)
+                if len(lst) > 2 * k + 8:  # a page that never comes free: drop reported jobs, amortised O(1)
+                    page_jobs[p] = [j for j in lst if j in self._jobs]
             k = pins[p]
             pins[p] = k + 1
             if not k:
@@ -498,13 +514,10 @@ class Ledger:
                 job=job, request=self.request_name(st[1]),
             )
         del self._jobs[job]
-        page_jobs, pins = self._page_jobs, self._pins
+        jobpins, pins = self._jobpins, self._pins
         pages: tuple[int, ...] = st[2]
         for p in pages:
-            s = page_jobs[p]
-            s.discard(job)
-            if not s:
-                del page_jobs[p]
+            jobpins[p] -= 1
             n = pins[p] - 1
             pins[p] = n
             if not n:
@@ -597,7 +610,7 @@ class Ledger:
         if self._page_alloc[p]:
             n = self._page_alloc[p]
             self._violate("I2", "unmap-with-blocks", f"page {p} unmapped with {n} block(s) allocated", page=p)
-        if p in self._page_jobs:
+        if self._jobpins[p]:
             checks.unmap_under_jobs(self, p)
         self._mapped[p] = 0
         self._epoch[p] += 1

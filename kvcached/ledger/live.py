@@ -168,8 +168,8 @@ def pin_rows(lg: Ledger) -> list[PinRow]:
     keyed: list[tuple[int, int, int, PinRow]] = []
     add = keyed.append
     jobs, names, build = lg._jobs, lg._names, lg.build
-    for page, page_jobs in lg._page_jobs.items():
-        for job in page_jobs:
+    for page in lg._page_jobs:
+        for job in lg.jobs_on(page):
             kind, req, _, workers, reported, since, _ = jobs[job]
             name = names.get(req)
             request = f"r{req}" if name is None else name  # as Ledger.request_name

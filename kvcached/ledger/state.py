@@ -152,11 +152,13 @@ def restore_snapshot(lg: Ledger, s: LedgerSnapshot) -> None:
             lg._req_holds.setdefault(req, set()).add(p)
             pins[p] += 1
     lg._jobs, lg._req_jobs, lg._page_jobs = {}, {}, {}
+    lg._jobpins = [0] * lg.num_pages
     for r in s.jobs:
         lg._jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index]
         lg._req_jobs.setdefault(r.req, set()).add(r.job)
         for p in r.pages:
-            lg._page_jobs.setdefault(p, set()).add(r.job)
+            lg._page_jobs.setdefault(p, []).append(r.job)
+            lg._jobpins[p] += 1
             pins[p] += 1
     lg._pins = pins
     lg.pinned_pages = sum(1 for n in pins if n)
