@@ -121,10 +121,9 @@ def late_copy(lg: Ledger, job: int) -> None:
 
 def finished_request(lg: Ledger, req: int, n: int) -> None:
     """I4: a finished request's jobs must be reported within ``liveness_builds`` builds."""
-    jobs = lg._req_jobs.get(req)
-    if req not in lg._finished or not jobs:
+    if req not in lg._finished or not lg._req_jobs.get(req):
         return
-    job = min(jobs)
+    job = min(j for j, st in lg._jobs.items() if st[1] == req)  # rare: scanning the jobs is fine
     _, _, pages, workers, reported, _, _ = lg._jobs[job]
     since = lg._finished[req]
     lg._violate(

@@ -111,7 +111,7 @@ class Ledger:
         self._holds: dict[int, dict[int, int]] = {}  # page -> {req: since build}
         self._req_holds: dict[int, set[int]] = {}
         self._jobs: dict[int, JobState] = {}
-        self._req_jobs: dict[int, set[int]] = {}
+        self._req_jobs: dict[int, int] = {}  # request -> its outstanding jobs (a count)
         self._names: dict[int, str] = {}
         self._finished: dict[int, int] = {}  # req -> build of its last build, while jobs remain
         self._finish_due: dict[int, list[int]] = {}
@@ -463,12 +463,10 @@ class Ledger:
             checks.lost_blocks(self, ev)
         # [kind, req, pages, workers, reported, build, index]: a list, because building a
         # slotted object costs a third of this handler's budget.
-        self._jobs[job] = [ev.kind, ev.req, tuple(pages), ev.workers, 0, self.build, self.index]
-        rj = self._req_jobs.get(ev.req)
-        if rj is None:
-            self._req_jobs[ev.req] = {job}
-        else:
-            rj.add(job)
+        req = ev.req
+        self._jobs[job] = [ev.kind, req, tuple(pages), ev.workers, 0, self.build, self.index]
+        req_jobs = self._req_jobs
+        req_jobs[req] = req_jobs.get(req, 0) + 1
         page_jobs, jobpins, pins = self._page_jobs, self._jobpins, self._pins
         legacy, unm = self._legacy, self._unmappable
         for p in pages:
@@ -526,9 +524,10 @@ class Ledger:
                     self._unmappable.add(p)
                     self._fresh.append(p)
         req: int = st[1]
-        jobs = self._req_jobs[req]
-        jobs.discard(job)
-        if not jobs:
+        left = self._req_jobs[req] - 1
+        if left:
+            self._req_jobs[req] = left
+        else:
             del self._req_jobs[req]
             if req in self._finished:
                 del self._finished[req]

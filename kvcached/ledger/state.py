@@ -155,7 +155,7 @@ def restore_snapshot(lg: Ledger, s: LedgerSnapshot) -> None:
     lg._jobpins = [0] * lg.num_pages
     for r in s.jobs:
         lg._jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index]
-        lg._req_jobs.setdefault(r.req, set()).add(r.job)
+        lg._req_jobs[r.req] = lg._req_jobs.get(r.req, 0) + 1
         for p in r.pages:
             lg._page_jobs.setdefault(p, []).append(r.job)
             lg._jobpins[p] += 1
