@@ -204,10 +204,6 @@ EVENT_TYPES: Final[tuple[type[_Event], ...]] = (
 )
 
 
-def is_decision(event: Event) -> bool:
-    return type(event) in DECISIONS
-
-
 def blocks_per_page(header: Header, pool: int) -> int:
     """Whole blocks of ``pool`` that fit on one page; the tail of a page stays unused."""
     return header.page_bytes // header.pools[pool].block_bytes
