@@ -25,6 +25,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     backend: str = "auto"  # KVCACHED_BACKEND: auto | cuda | host
     policy: Policy = Policy.LEDGER  # KVCACHED_LEDGER_POLICY
     journal: str | None = None  # KVCACHED_LEDGER_JOURNAL
+    max_cached_tokens: int | None = None  # KVCACHED_MAX_CACHED_TOKENS: prefix-cached tokens kept; None: no cap
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -48,13 +49,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             backend=e.get("KVCACHED_BACKEND", "auto").strip().lower(),
             policy=policy,
             journal=e.get("KVCACHED_LEDGER_JOURNAL") or None,
+            max_cached_tokens=int(_number(e, "KVCACHED_MAX_CACHED_TOKENS", 0)) if _set(e, "KVCACHED_MAX_CACHED_TOKENS") else None,
         )
+        if s.backend not in ("auto", "cuda", "host"):
+            raise ConfigError(f"KVCACHED_BACKEND={s.backend!r}: use auto, cuda or host")
         if s.min_reserved_pages > s.max_reserved_pages:
             raise ConfigError(
                 f"KVCACHED_MIN_RESERVED_PAGES={s.min_reserved_pages} is above "
                 f"KVCACHED_MAX_RESERVED_PAGES={s.max_reserved_pages}"
             )
         return s
+
+
+def _set(env: Mapping[str, str], name: str) -> bool:
+    return bool(env.get(name, "").strip())
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

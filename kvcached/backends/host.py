@@ -10,10 +10,17 @@ observable behaviour as the CUDA backend's zero page. ``resident_bytes()`` asks 
 ``mincore(2)`` over exactly this range, because the process RSS (or ``smaps_rollup``) cannot
 tell this range from the rest of the heap and the tests must see the memory go back.
 Linux only: elsewhere ``MADV_DONTNEED`` does not promise zeros, so the contract would not hold.
+
+*Shared* mode (``HostBackend(shared=path)``) serves vLLM's CPU build, whose worker runs in a
+process of its own, apart from the scheduler that decides which pages go: the range is a file
+on a tmpfs (``/dev/shm``) mapped ``MAP_SHARED`` by both, and "unmap" is ``MADV_REMOVE``, which
+frees the file's pages for every process that maps them, so the scheduler's unmap really
+returns the worker's memory and the worker's next read of the page sees zeros.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -35,6 +42,8 @@ _MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0) or (
     0x4000 if sys.platform == "linux" and platform.machine().lower() in _GENERIC_MMAP_ARCHES else 0
 )
 
+_MADV_REMOVE: int = getattr(mmap, "MADV_REMOVE", 9)
+
 # mincore over huge ranges in one call would need a vector of one byte per OS page; 1 GiB at a
 # time bounds it to 256 KiB with 4 KiB pages.
 _MINCORE_CHUNK = 1 << 30
@@ -53,7 +62,14 @@ class HostBackend(Backend):
 
     kind = "host"
 
-    def __init__(self, page_bytes: int = 2 * MiB, num_pages: int | None = None) -> None:
+    def __init__(
+        self,
+        page_bytes: int = 2 * MiB,
+        num_pages: int | None = None,
+        *,
+        shared: str | None = None,
+        create: bool = True,
+    ) -> None:
         if sys.platform != "linux":
             raise ConfigError(
                 f"KVCACHED backend 'host' needs Linux (madvise(MADV_DONTNEED) returning zeroed "
@@ -71,22 +87,52 @@ class HostBackend(Backend):
         super().__init__(page_bytes)
         self._mm: mmap.mmap | None = None
         self._addr = 0
+        self.shared = shared
+        self._create = create
         if num_pages is not None:
             self.reserve(num_pages)
 
     def _reserve(self, num_pages: int) -> None:
         size = num_pages * self.page_bytes
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        try:
-            mm = mmap.mmap(-1, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise BackendError(f"host: mmap of {size} bytes ({num_pages} pages) failed: {e}") from e
+        if self.shared is not None:
+            mm = self._map_shared(self.shared, size)
+        else:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+            try:
+                mm = mmap.mmap(-1, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:
+                raise BackendError(f"host: mmap of {size} bytes ({num_pages} pages) failed: {e}") from e
         # The address is needed for mincore; from_buffer exports the buffer, and an export
         # left alive would make the mmap unclosable, so the ctypes object is dropped at once.
         probe = ctypes.c_char.from_buffer(mm)
         self._addr = ctypes.addressof(probe)
         del probe
         self._mm = mm
+
+    def _map_shared(self, path: str, size: int) -> mmap.mmap:
+        try:
+            if self._create:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, size)  # sparse: nothing is allocated until written
+                except OSError:
+                    os.close(fd)
+                    os.unlink(path)
+                    raise
+            else:
+                fd = os.open(path, os.O_RDWR)
+                have = os.fstat(fd).st_size
+                if have < size:
+                    os.close(fd)
+                    raise BackendError(f"host: shared KV memory {path} has {have} bytes, {size} needed")
+        except OSError as e:
+            raise BackendError(f"host: shared KV memory {path}: {e.strerror or e}") from e
+        try:
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise BackendError(f"host: mmap of shared KV memory {path} ({size} bytes) failed: {e}") from e
+        finally:
+            os.close(fd)  # the mapping keeps the file alive
 
     def _map(self, index: int) -> None:
         # Nothing to do: the slot was never written or was madvised away, so the kernel hands
@@ -95,11 +141,29 @@ class HostBackend(Backend):
 
     def _unmap(self, index: int) -> None:
         assert self._mm is not None
+        advice = _MADV_REMOVE if self.shared is not None else mmap.MADV_DONTNEED
         try:
-            self._mm.madvise(mmap.MADV_DONTNEED, index * self.page_bytes, self.page_bytes)
+            self._mm.madvise(advice, index * self.page_bytes, self.page_bytes)
         except OSError as e:
             # madvise either drops the pages or fails before touching them.
-            raise PageStillMappedError(f"host: madvise(MADV_DONTNEED) of page {index} failed: {e}") from e
+            raise PageStillMappedError(f"host: madvise of page {index} failed: {e}") from e
+
+    def unmap_all(self) -> None:
+        """Drop the memory of every slot, mapped or not: another process sharing the range may
+        have written pages this object never mapped (vLLM's warm-up runs, say)."""
+        with self._lock:
+            self._check_reserved()
+            assert self._mm is not None
+            advice = _MADV_REMOVE if self.shared is not None else mmap.MADV_DONTNEED
+            for i in range(self._num_pages):
+                if not self._mapped[i]:
+                    self._mm.madvise(advice, i * self.page_bytes, self.page_bytes)
+
+    def unlink(self) -> None:
+        """Remove the shared file's name; the mappings (and the memory in use) stay."""
+        if self.shared is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shared)
 
     def _tensor(self, dtype: torch.dtype) -> torch.Tensor:
         import torch
@@ -117,9 +181,13 @@ class HostBackend(Backend):
         # One madvise over the whole range also reclaims anything written through a stale view
         # into an unmapped slot, which per-page unmapping would miss.
         try:
-            mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
+            if self.shared is None:
+                mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
+            elif self._create:
+                # The creator returns the file's memory; an attached process only lets go.
+                mm.madvise(_MADV_REMOVE, 0, len(mm))
         except OSError as e:
-            raise BackendError(f"host: madvise(MADV_DONTNEED) of the whole range failed: {e}") from e
+            raise BackendError(f"host: madvise of the whole range failed: {e}") from e
         finally:
             # Dropping the reference, not mm.close(): with views alive, close() would munmap
             # under them (a segfault on their next access). Without views, CPython frees the

@@ -1,0 +1,81 @@
+"""Startup checks: the setups kvcached serves, and one line saying what to change otherwise.
+
+They run where vLLM builds its configuration (the API server, before any engine process
+starts), so a refusal costs a second, not a model load, and reads as one line instead of a
+worker's traceback. What they accept is what the tests cover: vLLM's CPU build 0.32.0 and vLLM
+0.33.0; no KV connector, or ``OffloadingConnector`` as the only one; one worker (tensor, pipeline
+and data parallel sizes of 1), run by vLLM's multiprocessing or uniprocess executor; the CUDA
+backend only where a GPU is visible. Checks that need the KV cache layout (a block that does not
+divide a page, an interleaved layout) can only run once vLLM has sized the cache; they live in
+``kv_memory.plan`` and fail the worker with the same kind of line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backends import cuda_visible
+from ..errors import ConfigError
+from ..settings import Settings
+
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+SUPPORTED_EXECUTORS = ("mp", "uni")
+OUR_SPEC = ("KvcachedCPUOffloadingSpec", "kvcached.vllm_bridge.cpu_offload")
+
+
+def check_vllm_version(version: str) -> None:
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM:
+        raise ConfigError(
+            f"kvcached supports vLLM {' and '.join(SUPPORTED_VLLM)} (the CPU build 0.32.0); this is {version}: "
+            "install one of those or disable kvcached (ENABLE_KVCACHED=0)"
+        )
+
+
+def check_config(vllm_config: Any, settings: Settings, *, version: str, on_cpu: bool) -> None:
+    """Raise ``ConfigError`` (one line, what to change) for a setup kvcached does not serve."""
+    check_vllm_version(version)
+    par = vllm_config.parallel_config
+    sizes = {
+        "--tensor-parallel-size": int(par.tensor_parallel_size),
+        "--pipeline-parallel-size": int(par.pipeline_parallel_size),
+        "--data-parallel-size": int(par.data_parallel_size),
+    }
+    for flag, n in sizes.items():
+        if n != 1:
+            raise ConfigError(f"kvcached serves one worker; {flag} is {n}: set it to 1 or disable kvcached")
+    executor = par.distributed_executor_backend
+    if executor is not None and executor not in SUPPORTED_EXECUTORS:
+        name = executor if isinstance(executor, str) else getattr(executor, "__name__", repr(executor))
+        raise ConfigError(
+            f"kvcached needs vLLM's mp or uni executor, not {name}: drop --distributed-executor-backend "
+            "or disable kvcached"
+        )
+    _check_connector(vllm_config.kv_transfer_config, on_cpu=on_cpu)
+    if settings.backend == "cuda" and (on_cpu or not cuda_visible()):
+        raise ConfigError(
+            "kvcached: KVCACHED_BACKEND=cuda needs a CUDA GPU and none is visible; "
+            "set KVCACHED_BACKEND=host (or auto) on CPU machines"
+        )
+    if settings.backend == "host" and not on_cpu:
+        raise ConfigError("kvcached: KVCACHED_BACKEND=host serves vLLM's CPU build only; use cuda or auto on GPUs")
+
+
+def _check_connector(ktc: Any, *, on_cpu: bool) -> None:
+    if ktc is None or not getattr(ktc, "kv_connector", None):
+        return
+    name = ktc.kv_connector
+    if name != "OffloadingConnector":
+        raise ConfigError(
+            f"kvcached works with OffloadingConnector as the only KV connector, not {name}: "
+            "use --kv-offloading-size / kv_connector=OffloadingConnector, or disable kvcached"
+        )
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    spec = extra.get("spec_name", "CPUOffloadingSpec")
+    if on_cpu and spec == "CPUOffloadingSpec":
+        raise ConfigError(
+            "kvcached: vLLM's CPUOffloadingSpec needs CUDA; on the CPU build set kv_connector_extra_config "
+            f'"spec_name": "{OUR_SPEC[0]}", "spec_module_path": "{OUR_SPEC[1]}"'
+        )
+    if extra.get("canonical_layout"):
+        raise ConfigError("kvcached: the canonical host layout is not supported; remove canonical_layout")

@@ -1,0 +1,240 @@
+"""The worker's KV cache tensors, as views of kvcached pages, and the scheduler's handle on them.
+
+vLLM allocates the KV cache as one ``torch.zeros`` buffer and cuts it into per-layer views
+(``allocate_kv_cache`` in ``vllm/v1/worker/utils.py``): block ``b`` of layer ``l`` of a tensor
+starts at ``offset + l * layer_stride + b * block_stride``. kvcached serves that buffer from a
+backend range instead and builds the views with vLLM's own ``create_kv_cache_views``, so every
+layer gets the shape and strides vLLM would have given it. Two layouts occur: block-outermost
+(a block packs all layers: one *contiguous* region, a kvcached page holds whole packed blocks)
+and layer-outermost (each layer its own region: kvcached's *per-layer* layout, logical page
+``p`` mapped in every region at once). In the second, each layer's region is padded to whole
+pages, which moves where each layer's view starts and nothing else; the offloading worker reads
+storage offsets and strides from the views themselves, so it follows. Anything else (layers
+interleaved inside a block, groups at different offsets, host-resident tensors, blocks that do
+not divide a page) is refused with one line, because a page could then hold bytes of blocks
+that are not all free when the ledger lets it go.
+
+The scheduler, which decides when a page goes, runs in the engine-core process; on vLLM's CPU
+build the worker is a child process. The host backend therefore shares the range through a
+``/dev/shm`` file named by a key that every process of one server inherits (``ENGINE_KEY_ENV``);
+in one process (the uniprocess executor) the scheduler takes the worker's backend object.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..backends import Backend, HostBackend, make_backend
+from ..errors import ConfigError
+from ..kv_cache_manager import KVGeometry, Layout
+
+if TYPE_CHECKING:
+    import torch
+
+ENGINE_KEY_ENV = "KVCACHED_ENGINE_KEY"
+SHM_DIR = "/dev/shm"
+
+# key -> the backend this process allocated (worker side), for a scheduler in the same process.
+_LOCAL: dict[str, Backend] = {}
+
+
+class KVPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Where vLLM's blocks sit in kvcached's range."""
+
+    num_blocks: int
+    block_bytes: int  # bytes of one block in one region (the whole packed block if contiguous)
+    page_bytes: int
+    regions: int  # 1 (contiguous) or the number of layers (per-layer)
+    vllm_size: int  # the backing size vLLM asked for
+
+    @property
+    def geometry(self) -> KVGeometry:
+        layout = Layout.PER_LAYER if self.regions > 1 else Layout.CONTIGUOUS
+        return KVGeometry(
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            page_bytes=self.page_bytes,
+            num_layers=self.regions,
+            layout=layout,
+        )
+
+    @property
+    def region_bytes(self) -> int:
+        return self.geometry.num_pages * self.page_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.region_bytes * self.regions
+
+    def describe(self) -> str:
+        g = self.geometry
+        kind = f"per-layer x{self.regions}" if self.regions > 1 else "contiguous"
+        return f"{g.num_blocks} blocks of {self.block_bytes} B on {g.num_pages} pages ({kind})"
+
+
+def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
+    """Check vLLM's KV cache layout against kvcached's and say where each block lives."""
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    if not tensors:
+        raise ConfigError("kvcached: this model has no KV cache tensors to serve; disable kvcached (ENABLE_KVCACHED=0)")
+    if any(getattr(t, "host_resident", False) for t in tensors):
+        raise ConfigError("kvcached: host-resident KV tensors (HiSparse) are not supported; disable kvcached")
+    strides = {(int(t.layer_stride), int(t.block_stride)) for t in tensors}
+    offsets = {int(t.offset) for t in tensors}
+    if len(strides) != 1 or offsets != {0}:
+        raise ConfigError(
+            f"kvcached: KV tensors with different strides or offsets ({sorted(strides)}, offsets {sorted(offsets)}) "
+            "are not supported; set VLLM_KV_CACHE_LAYOUT to a layer-outermost layout (e.g. LBHNC) or disable kvcached"
+        )
+    ((layer_stride, block_stride),) = strides
+    layers = max(len(t.layers) for t in tensors)
+    n = int(kv_cache_config.num_blocks)
+    if layers == 1 or layer_stride < block_stride:
+        regions, block_bytes = 1, block_stride  # a block packs every layer
+        if layers > 1 and (layers - 1) * layer_stride >= block_stride:
+            raise ConfigError(
+                f"kvcached: KV layout with layer stride {layer_stride} and block stride {block_stride} "
+                "interleaves blocks; set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
+            )
+    elif layer_stride >= n * block_stride:
+        regions, block_bytes = layers, block_stride
+    else:
+        raise ConfigError(
+            f"kvcached: KV layout with layer stride {layer_stride} < {n} blocks x {block_stride} B interleaves "
+            "layers inside a block; set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
+        )
+    if block_bytes > page_bytes or page_bytes % block_bytes:
+        mib = page_bytes / (1 << 20)
+        raise ConfigError(
+            f"kvcached: a KV block takes {block_bytes} bytes, which does not divide a {mib:g} MiB page; "
+            "use a --block-size that makes it a power of two no larger than the page, or raise KVCACHED_PAGE_SIZE_MB"
+        )
+    return KVPlan(
+        num_blocks=n,
+        block_bytes=block_bytes,
+        page_bytes=page_bytes,
+        regions=regions,
+        vllm_size=max(int(t.size) for t in tensors),
+    )
+
+
+def engine_key() -> str:
+    """The key naming this server's shared KV memory; made once and inherited by child processes."""
+    key = os.environ.get(ENGINE_KEY_ENV)
+    if not key:
+        key = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        os.environ[ENGINE_KEY_ENV] = key
+    return key
+
+
+def shm_path(key: str) -> str:
+    return os.path.join(SHM_DIR, f"kvcached-kv-{key}")
+
+
+def check_shm_room(nbytes: int) -> None:
+    """Refuse at startup, not with SIGBUS mid-request, when the tmpfs cannot hold the KV cache."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as e:
+        raise ConfigError(
+            f"kvcached: the host backend shares KV memory through {SHM_DIR}, which is unusable: {e}"
+        ) from e
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise ConfigError(
+            f"kvcached: {SHM_DIR} has {free >> 20} MiB free, the KV cache needs {nbytes >> 20} MiB; "
+            "enlarge /dev/shm (docker --shm-size) or lower --kv-cache-memory-bytes"
+        )
+
+
+def worker_backend(p: KVPlan, *, device: torch.device, backend: str, key: str) -> Backend:
+    """The range the worker's views point into: shared host memory on a CPU, VMM on a GPU."""
+    pages = p.geometry.backend_pages
+    if device.type == "cpu":
+        if backend == "cuda":
+            raise ConfigError("kvcached: KVCACHED_BACKEND=cuda, but this vLLM worker runs on the CPU; use host or auto")
+        check_shm_room(p.total_bytes)
+        b: Backend = HostBackend(p.page_bytes, shared=shm_path(key))
+        b.reserve(pages)
+        atexit.register(_unlink_quietly, b)
+        return b
+    if backend == "host":
+        raise ConfigError(f"kvcached: KVCACHED_BACKEND=host, but this vLLM worker runs on {device}; use cuda or auto")
+    b = make_backend("cuda", page_bytes=p.page_bytes, device=device.index or 0)
+    b.reserve(pages)
+    return b
+
+
+def _unlink_quietly(b: Backend) -> None:
+    if isinstance(b, HostBackend):
+        b.unlink()
+
+
+def allocate(
+    kv_cache_config: Any,
+    device: torch.device,
+    layout: Any,
+    kernel_block_sizes: list[int] | None,
+    *,
+    page_bytes: int,
+    backend: str = "auto",
+    key: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """What vLLM's ``allocate_kv_cache`` returns (same layers, shapes, strides), on kvcached pages."""
+    import torch
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+
+    if not kv_cache_config.kv_cache_tensors:
+        return {}
+    p = plan(kv_cache_config, page_bytes)
+    key = key or engine_key()
+    b = worker_backend(p, device=torch.device(device), backend=backend, key=key)
+    _LOCAL[key] = b
+    buf = b.tensor(torch.int8)
+    kv_caches: dict[str, torch.Tensor] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        placed = dataclasses.replace(tensor, size=p.total_bytes)
+        if p.regions > 1:
+            placed = dataclasses.replace(placed, layer_stride=p.region_bytes)
+        layer_name = tensor.layers[0]
+        group_id, group = next(
+            (i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups) if layer_name in g.layer_names
+        )
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[layer_name]
+        if not spec.has_layer_views:
+            kv_caches.update((name, buf) for name in tensor.layers)
+            continue
+        kernel = kernel_block_sizes[group_id] if kernel_block_sizes and group_id < len(kernel_block_sizes) else None
+        views = create_kv_cache_views(
+            buf, spec, kv_cache_config.num_blocks_of(tensor), layout, placed, kernel_block_size=kernel
+        )
+        kv_caches.update(zip(tensor.layers, views, strict=True))
+    return kv_caches
+
+
+def attach(p: KVPlan, *, key: str) -> Backend:
+    """The scheduler's handle on the worker's range: the same object in one process, else the
+    shared file, whose name is removed once attached (both mappings keep it alive)."""
+    local = _LOCAL.get(key)
+    if local is not None:
+        return local
+    path = shm_path(key)
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"kvcached: the worker's KV memory ({path}) is not there; the executor must be vLLM's "
+            "multiprocessing or uniprocess one, with the worker started by this engine"
+        )
+    b = HostBackend(p.page_bytes, shared=path, create=False)
+    b.reserve(p.geometry.backend_pages)
+    b.unlink()
+    # vLLM's warm-up may have written pages no block was allocated on; start from nothing.
+    b.unmap_all()
+    return b

@@ -1,0 +1,232 @@
+"""The vLLM plugin: with ``ENABLE_KVCACHED=1``, every vLLM process of a server uses kvcached.
+
+vLLM calls ``register`` (entry point ``vllm.general_plugins``) in each of its processes before
+it builds anything; without the variable it returns at once and vLLM runs exactly as shipped.
+With it, three of vLLM's functions are wrapped in that process, vLLM's files staying untouched:
+
+* ``EngineArgs.create_engine_config`` (API server): the startup checks, so that an unsupported
+  setup is refused with one line before an engine process starts;
+* ``allocate_kv_cache`` (worker): the KV cache tensors become views of kvcached pages
+  (``kv_memory``), with the shapes and strides vLLM's own allocation gives them;
+* ``Scheduler.__init__`` (engine core): the scheduler's block pool becomes page-aware, backed by
+  a kvcached manager over the worker's range, the OffloadingConnector gets the bridge, and with
+  ``KVCACHED_LEDGER_JOURNAL`` the ledger's events are journaled; ``Scheduler.shutdown`` closes
+  the journal. The engine core logs one line saying kvcached is active and with what.
+
+The settings are upstream kvcached's variables (``settings.Settings``); a malformed one is
+refused like an unsupported setup.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import sys
+from typing import Any
+
+from ..errors import ConfigError, KvcachedError
+from ..kv_cache_manager import KVCacheManager
+from ..ledger.events import Header
+from ..ledger.ledger import Ledger
+from ..ledger.recorder import Recorder
+from ..ledger.service import BackgroundService, ServiceConfig
+from ..settings import Settings
+from . import checks, kv_memory
+
+log = logging.getLogger("vllm.kvcached")  # a child of vLLM's logger: vLLM's format and handlers
+KVCACHED_VERSION = "0.1.0.dev0"
+_ALLOC_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
+
+_installed: Settings | None = None
+
+
+def register() -> None:
+    """vLLM's entry point; idempotent, and a no-op unless ``ENABLE_KVCACHED`` is set."""
+    global _installed
+    try:
+        settings = Settings.from_env()
+    except ConfigError as e:
+        _refuse(str(e))
+    if not settings.enabled or _installed is not None:
+        return
+    kv_memory.engine_key()  # made here, in the first process, so that every child inherits it
+    _wrap_config(settings)
+    _wrap_allocation(settings)
+    _wrap_scheduler(settings)
+    _installed = settings
+
+
+def _refuse(message: str) -> Any:
+    line = message if message.startswith("kvcached") else f"kvcached: {message}"
+    log.error("[kvcached] refused: %s", line)
+    raise SystemExit(line)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+# --- API server: the startup checks --------------------------------------------------------------
+
+
+def _wrap_config(settings: Settings) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_kvcached", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = original(self, *args, **kwargs)
+        try:
+            checks.check_config(config, settings, version=_vllm_version(), on_cpu=_on_cpu())
+        except ConfigError as e:
+            _refuse(str(e))
+        return config
+
+    create_engine_config._kvcached = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+
+
+# --- worker: KV cache tensors on kvcached pages --------------------------------------------------
+
+
+def _wrap_allocation(settings: Settings) -> None:
+    import vllm.v1.worker.utils as worker_utils
+
+    original = worker_utils.allocate_kv_cache
+    if getattr(original, "_kvcached", False):
+        return
+
+    @functools.wraps(original)
+    def allocate_kv_cache(
+        kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None = None
+    ) -> Any:
+        try:
+            return kv_memory.allocate(
+                kv_cache_config,
+                device,
+                layout,
+                kernel_block_sizes,
+                page_bytes=settings.page_bytes,
+                backend=settings.backend,
+            )
+        except ConfigError as e:
+            log.error("[kvcached] refused: %s", e)
+            raise
+
+    allocate_kv_cache._kvcached = True  # type: ignore[attr-defined]
+    worker_utils.allocate_kv_cache = allocate_kv_cache
+    # Modules that imported the name before this ran hold the original: rebind theirs too.
+    for name in _ALLOC_USERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "allocate_kv_cache", None) is original:
+            module.allocate_kv_cache = allocate_kv_cache  # type: ignore[attr-defined]
+
+
+# --- engine core: page-aware pool, bridge, journal -------------------------------------------------
+
+
+class EngineState:
+    """What kvcached holds in the engine-core process for one scheduler."""
+
+    def __init__(self, scheduler: Any, settings: Settings) -> None:
+        from ..vllm_bridge.block_pool import install_page_aware_pool
+        from ..vllm_bridge.bridge import install_bridge
+
+        cfg = scheduler.kv_cache_config
+        plan = kv_memory.plan(cfg, settings.page_bytes)
+        backend = kv_memory.attach(plan, key=kv_memory.engine_key())
+        geometry = plan.geometry
+        header = Header(
+            page_bytes=geometry.page_bytes,
+            pools=(geometry.pool(),),
+            workers=int(scheduler.vllm_config.parallel_config.world_size),
+            policy=settings.policy,
+            producer={"vllm": _vllm_version(), "kvcached": KVCACHED_VERSION},
+        )
+        # The journal is written by the ledger service's thread, off the scheduler's path, within
+        # ``flush_interval`` of each event: vLLM kills the engine core at shutdown without
+        # calling the scheduler's shutdown, so nothing may wait for a final flush.
+        self.service: BackgroundService | None = None
+        sink = None
+        if settings.journal:
+            self.service = BackgroundService.start(
+                header, ServiceConfig(journal=settings.journal, replica=False, snapshot_every=0, flush_interval=0.005)
+            )
+            sink = self.service.producer
+        self.recorder = Recorder(Ledger(header), sink=sink)
+        self.manager = KVCacheManager(
+            geometry,
+            backend,
+            self.recorder,
+            min_reserved=settings.min_reserved_pages,
+            max_reserved=settings.max_reserved_pages,
+        )
+        block_size = int(scheduler.cache_config.block_size)
+        cap = None if settings.max_cached_tokens is None else settings.max_cached_tokens // block_size
+        self.pool = install_page_aware_pool(scheduler, self.manager, max_cached_blocks=cap)
+        self.bridge = install_bridge(scheduler, self.recorder) if scheduler.connector is not None else None
+        self._closed = False
+        atexit.register(self.close)
+        log.info(
+            "[kvcached] active: backend=%s, page=%g MiB, policy=%s, journal=%s, offloading bridge=%s, KV: %s",
+            backend.kind + (" (shared)" if getattr(backend, "shared", None) else ""),
+            geometry.page_bytes / (1 << 20),
+            settings.policy.value,
+            settings.journal or "off",
+            "on" if self.bridge is not None else "off",
+            plan.describe(),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.recorder.close()
+            if self.service is not None:
+                self.service.close()
+        except KvcachedError as e:  # losing the trace must not fail the shutdown
+            log.error("[kvcached] journal: %s", e)
+
+
+def _wrap_scheduler(settings: Settings) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original_init = Scheduler.__init__
+    if getattr(original_init, "_kvcached", False):
+        return
+    original_shutdown = Scheduler.shutdown
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        try:
+            self._kvcached = EngineState(self, settings)
+        except ConfigError as e:
+            log.error("[kvcached] refused: %s", e)
+            raise
+
+    @functools.wraps(original_shutdown)
+    def shutdown(self: Any) -> None:
+        try:
+            original_shutdown(self)
+        finally:
+            state = getattr(self, "_kvcached", None)
+            if state is not None:
+                state.close()
+
+    __init__._kvcached = True  # type: ignore[attr-defined]
+    Scheduler.__init__ = __init__  # type: ignore[method-assign]
+    Scheduler.shutdown = shutdown  # type: ignore[method-assign]
