@@ -28,7 +28,9 @@ from typing import Any
 from .checks import OUR_SPEC
 
 # What must not appear in a healthy server's log (the seed's no_error_signatures).
-ERROR_SIGNATURES = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|Exception in|CUDA error|Segmentation fault")
+ERROR_SIGNATURES = re.compile(
+    r"Traceback \(most recent call last\)|\bERROR\b|Exception in|CUDA error|Segmentation fault"
+)
 ACTIVE_LINE = "[kvcached] active:"
 
 

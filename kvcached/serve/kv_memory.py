@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import os
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,12 @@ def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
     ((layer_stride, block_stride),) = strides
     layers = max(len(t.layers) for t in tensors)
     n = int(kv_cache_config.num_blocks)
+    page_l = max(_layer_page_bytes(kv_cache_config, t.layers[0]) for t in tensors)
+    if page_l > min(block_stride, layer_stride if layers > 1 else block_stride):
+        raise ConfigError(
+            f"kvcached: this KV layout splits one layer's block ({page_l} B) into pieces {block_stride} B apart "
+            "(heads outside blocks); set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
+        )
     if layers == 1 or layer_stride < block_stride:
         regions, block_bytes = 1, block_stride  # a block packs every layer
         if layers > 1 and (layers - 1) * layer_stride >= block_stride:
@@ -110,10 +117,12 @@ def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
             "layers inside a block; set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
         )
     if block_bytes > page_bytes or page_bytes % block_bytes:
-        mib = page_bytes / (1 << 20)
+        # The smallest page that holds whole blocks and is whole 2 MiB (CUDA VMM) units.
+        fit = math.lcm(block_bytes, 2 << 20) / (1 << 20)
         raise ConfigError(
-            f"kvcached: a KV block takes {block_bytes} bytes, which does not divide a {mib:g} MiB page; "
-            "use a --block-size that makes it a power of two no larger than the page, or raise KVCACHED_PAGE_SIZE_MB"
+            f"kvcached: a KV block takes {block_bytes} bytes, which does not divide a "
+            f"{page_bytes / (1 << 20):g} MiB page; set KVCACHED_PAGE_SIZE_MB={fit:g} "
+            "(or a --block-size that makes the block a power of two)"
         )
     return KVPlan(
         num_blocks=n,
@@ -122,6 +131,18 @@ def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
         regions=regions,
         vllm_size=max(int(t.size) for t in tensors),
     )
+
+
+def _layer_page_bytes(kv_cache_config: Any, layer: str) -> int:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[layer]
+            return int(spec.page_size_bytes)
+    raise ConfigError(f"kvcached: KV tensor layer {layer} is in no KV cache group")
 
 
 def engine_key() -> str:
@@ -218,6 +239,19 @@ def allocate(
         )
         kv_caches.update(zip(tensor.layers, views, strict=True))
     return kv_caches
+
+
+def local_backend(key: str) -> Backend | None:
+    """The backend ``allocate`` made in this process under ``key``, if any."""
+    return _LOCAL.get(key)
+
+
+def release(key: str) -> None:
+    """Close and forget the backend made under ``key`` (tests, and engines torn down in-process)."""
+    b = _LOCAL.pop(key, None)
+    if b is not None:
+        _unlink_quietly(b)
+        b.close()
 
 
 def attach(p: KVPlan, *, key: str) -> Backend:

