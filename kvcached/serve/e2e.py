@@ -129,11 +129,13 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.ready_after = time.monotonic() - self.started_at
-                        return True
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(self.url + "/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    self.ready_after = time.monotonic() - self.started_at
+                    return True
             time.sleep(0.25)
         return False
 
