@@ -1,0 +1,108 @@
+"""Startup checks: supported setups pass, others are refused with one line saying what to change.
+
+The checks run on vLLM's real ``VllmConfig`` (built by ``EngineArgs`` from the tiny model); two
+refusals are also checked on a real server launch: one line on stderr, a non-zero exit, no
+traceback, and no engine process started."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcached.errors import ConfigError
+from kvcached.serve import checks
+from kvcached.serve.e2e import free_port
+from kvcached.serve.tiny_model import build
+from kvcached.settings import Settings
+
+OURS = {"spec_name": checks.OUR_SPEC[0], "spec_module_path": checks.OUR_SPEC[1], "cpu_bytes_to_use": 1 << 26}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def _config(model: str, **kw: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, enforce_eager=True, max_model_len=1024, **kw).create_engine_config()
+
+
+def _offload(extra: dict[str, Any], connector: str = "OffloadingConnector") -> dict[str, Any]:
+    return {"kv_transfer_config": {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}}
+
+
+def test_supported_setups_pass(model: str) -> None:
+    on = Settings.from_env({"ENABLE_KVCACHED": "1"})
+    checks.check_config(_config(model), on, version="0.32.0", on_cpu=True)
+    checks.check_config(_config(model, **_offload(OURS)), on, version="0.32.0", on_cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("kw", "version", "settings", "needle"),
+    [
+        ({}, "0.31.2", {}, "supports vLLM 0.32.0 and 0.33.0"),
+        (_offload({**OURS, "spec_name": "CPUOffloadingSpec"}), "0.32.0", {}, "spec_name"),
+        (_offload({**OURS, "canonical_layout": True}), "0.32.0", {}, "canonical_layout"),
+        (_offload({}, connector="LMCacheConnectorV1"), "0.32.0", {}, "OffloadingConnector as the only KV connector"),
+        ({}, "0.32.0", {"KVCACHED_BACKEND": "cuda"}, "KVCACHED_BACKEND=host"),
+    ],
+)
+def test_unsupported_setups_are_refused(
+    model: str, kw: dict[str, Any], version: str, settings: dict[str, str], needle: str
+) -> None:
+    s = Settings.from_env({"ENABLE_KVCACHED": "1", **settings})
+    with pytest.raises(ConfigError, match=needle) as e:
+        checks.check_config(_config(model, **kw), s, version=version, on_cpu=True)
+    assert "\n" not in str(e.value)
+
+
+def test_parallel_sizes_are_refused(model: str) -> None:
+    cfg = _config(model)
+    cfg.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ConfigError, match="--tensor-parallel-size is 2: set it to 1"):
+        checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("env", "extra", "needle"),
+    [
+        ({"KVCACHED_LEDGER_POLICY": "optimistic"}, {**OURS}, "KVCACHED_LEDGER_POLICY='optimistic'"),
+        ({}, {**OURS, "spec_name": "CPUOffloadingSpec"}, "CPUOffloadingSpec needs CUDA"),
+    ],
+)
+def test_server_refuses_in_one_line(
+    model: str, tmp_path: Path, env: dict[str, str], extra: dict[str, Any], needle: str
+) -> None:
+    import os
+
+    ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--enforce-eager",
+        "--kv-transfer-config",
+        json.dumps(ktc),
+    ]
+    full_env = {**os.environ, "ENABLE_KVCACHED": "1", "HF_HUB_OFFLINE": "1", **env}
+    r = subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=180)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr + r.stdout, (r.stderr + r.stdout)[-3000:]
+    assert "EngineCore" not in r.stderr + r.stdout  # refused before an engine process started
+    lines = [line for line in (r.stderr + r.stdout).splitlines() if needle in line]
+    assert lines, (r.stderr + r.stdout)[-3000:]
+    assert r.stderr.rstrip().splitlines()[-1].startswith("kvcached"), r.stderr[-500:]
