@@ -83,6 +83,16 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]
     return {mode: _run(mode, model, out) for mode in ("native", "legacy", "ledger")}
 
 
+def _keep(journal: Path) -> None:
+    """``KVCACHED_CAPTURE_DIR=traces`` (scripts/regen-golden.sh) keeps the journal as a golden trace."""
+    import os
+    import shutil
+
+    dest = os.environ.get("KVCACHED_CAPTURE_DIR")
+    if dest:
+        shutil.copyfile(journal, Path(dest) / f"serve-validation.{journal.stem.split('-')[-1]}.kvj")
+
+
 def _replay(journal: Path) -> tuple[int, str]:
     r = subprocess.run(
         [sys.executable, "-m", "kvreplay.cli", "check", "--no-progress", str(journal)],
@@ -135,6 +145,7 @@ def test_legacy_shows_the_freed_block_copy(runs: dict[str, Run]) -> None:
         i for i, (a, b) in enumerate(zip(runs["native"].outputs, run.outputs, strict=True)) if a.tokens != b.tokens
     ]
     assert rc == 1 and "I1" in report, report
+    _keep(run.journal)
     print(f"legacy: {len(differ)} of 20 outputs differ from native ({differ}); replay: {report.splitlines()[-2]}")
 
 
@@ -144,6 +155,7 @@ def test_ledger_journal_replays_clean(runs: dict[str, Run]) -> None:
     rc, report = _replay(run.journal)
     assert rc == 0 and "clean" in report, report
     assert "0 outstanding" in report
+    _keep(run.journal)
 
 
 # --- elasticity ------------------------------------------------------------------------------
