@@ -57,7 +57,8 @@ def main() -> None:
                 t, lat = one(model, kv, Path(tmp), rnd, load)
                 start[name].append(t)
                 per_req[name].append(statistics.median(lat))
-                print(f"round {rnd} {name:8}: ready after {t:6.1f} s, median request {statistics.median(lat) * 1e3:7.1f} ms")
+                med = statistics.median(lat) * 1e3
+                print(f"round {rnd} {name:8}: ready after {t:6.1f} s, median request {med:7.1f} ms")
     s_n, s_k = statistics.median(start["native"]), statistics.median(start["kvcached"])
     r_n, r_k = statistics.median(per_req["native"]), statistics.median(per_req["kvcached"])
     print(f"start-up  : native {s_n:6.1f} s, kvcached {s_k:6.1f} s, ratio {s_k / s_n:.3f} (budget 1.25)")

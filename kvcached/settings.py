@@ -49,7 +49,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             backend=e.get("KVCACHED_BACKEND", "auto").strip().lower(),
             policy=policy,
             journal=e.get("KVCACHED_LEDGER_JOURNAL") or None,
-            max_cached_tokens=int(_number(e, "KVCACHED_MAX_CACHED_TOKENS", 0)) if _set(e, "KVCACHED_MAX_CACHED_TOKENS") else None,
+            max_cached_tokens=_cap(e, "KVCACHED_MAX_CACHED_TOKENS"),
         )
         if s.backend not in ("auto", "cuda", "host"):
             raise ConfigError(f"KVCACHED_BACKEND={s.backend!r}: use auto, cuda or host")
@@ -61,8 +61,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return s
 
 
-def _set(env: Mapping[str, str], name: str) -> bool:
-    return bool(env.get(name, "").strip())
+def _cap(env: Mapping[str, str], name: str) -> int | None:
+    """A count that is unlimited (None) when the variable is unset or empty."""
+    return int(_number(env, name, 0)) if env.get(name, "").strip() else None
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -95,7 +95,7 @@ def _wrap_config(settings: Settings) -> None:
         return config
 
     create_engine_config._kvcached = True  # type: ignore[attr-defined]
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign,unused-ignore]
 
 
 # --- worker: KV cache tensors on kvcached pages --------------------------------------------------
@@ -228,5 +228,5 @@ def _wrap_scheduler(settings: Settings) -> None:
                 state.close()
 
     __init__._kvcached = True  # type: ignore[attr-defined]
-    Scheduler.__init__ = __init__  # type: ignore[method-assign]
-    Scheduler.shutdown = shutdown  # type: ignore[method-assign]
+    Scheduler.__init__ = __init__  # type: ignore[method-assign,unused-ignore]
+    Scheduler.shutdown = shutdown  # type: ignore[method-assign,unused-ignore]

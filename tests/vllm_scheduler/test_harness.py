@@ -122,6 +122,13 @@ def test_negative_control_late_rank_reads_after_the_first_report() -> None:
         assert {m.worker for m in h.verify_loads()} == {1}
 
 
+def _vllm_before_0_33() -> bool:
+    import vllm
+
+    return tuple(int(x) for x in vllm.__version__.split("+")[0].split(".")[:2]) < (0, 33)
+
+
+@pytest.mark.skipif(_vllm_before_0_33(), reason="synchronous loads (sync_load_budget_bytes) arrived in vLLM 0.33")
 def test_sync_loads_restore_before_the_forward() -> None:
     with Harness(HarnessConfig(tp=2, extra_config={"sync_load_budget_bytes": 1 << 20})) as h:
         h.delay_worker(1, 3)  # a sync load is waited on, so the delay cannot hold it back

@@ -23,6 +23,12 @@ pytestmark = pytest.mark.vllm
 @pytest.mark.parametrize("policy", ["legacy", "ledger"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(name: str, policy: str, tmp_path: Path) -> None:
+    import vllm
+
+    if name == "preempt-shrink" and vllm.__version__.startswith("0.32."):
+        # vLLM 0.32's own OffloadingConnectorScheduler asserts that a preempted request has only
+        # store jobs in flight; the P2 reset preempts requests whose loads are in flight (0.33 copes).
+        pytest.skip("vLLM 0.32.0 asserts on preempting a request with a load in flight")
     journal = str(tmp_path / f"{name}.{policy}.kvj")
     out = run(name, policy, journal)
     assert out.loads_checked > 0, "nothing was loaded back from the CPU tier: the check checked nothing"
