@@ -241,6 +241,36 @@ def allocate(
     return kv_caches
 
 
+def describe_views(kv_caches: dict[str, torch.Tensor], base: torch.Tensor) -> list[dict[str, Any]]:
+    """Each layer's view as plain data (byte offset into the range, shape, strides, dtype), so a
+    machine without vLLM (the GPU one) can rebuild exactly the views vLLM's code made here."""
+    out = []
+    for name, v in kv_caches.items():
+        out.append(
+            {
+                "layer": name,
+                "offset": v.data_ptr() - base.data_ptr(),
+                "shape": list(v.shape),
+                "stride": list(v.stride()),
+                "dtype": str(v.dtype).removeprefix("torch."),
+            }
+        )
+    return out
+
+
+def rebuild_views(base: torch.Tensor, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The inverse of ``describe_views`` over another range of the same plan."""
+    import torch
+
+    out = {}
+    for r in rows:
+        dtype = getattr(torch, r["dtype"])
+        size = torch.empty((), dtype=dtype).element_size()
+        typed = base.view(dtype)
+        out[r["layer"]] = torch.as_strided(typed, r["shape"], r["stride"], r["offset"] // size)
+    return out
+
+
 def local_backend(key: str) -> Backend | None:
     """The backend ``allocate`` made in this process under ``key``, if any."""
     return _LOCAL.get(key)

@@ -150,3 +150,47 @@ def test_scheduler_attaches_to_the_workers_shared_memory() -> None:
     finally:
         del views
         kv_memory.release(key)
+
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "gpu", "kv_views.json")
+
+
+def _fixture_entries() -> list[dict[str, object]]:
+    entries = []
+    for kind in KINDS:
+        for layout in LAYOUTS:
+            cfg, lay = kv_config(kind, layout)
+            page = _page_bytes(kind, "cpu")
+            key = f"fixture-{uuid.uuid4().hex[:8]}"
+            views = kv_memory.allocate(cfg, torch.device("cpu"), lay, None, page_bytes=page, key=key)
+            backend = kv_memory.local_backend(key)
+            assert backend is not None
+            try:
+                plan = kv_memory.plan(cfg, page)
+                rows = kv_memory.describe_views(views, backend.tensor(torch.int8))
+                entries.append({"kind": kind, "layout": layout, "plan": msgspec_to_dict(plan), "views": rows})
+            finally:
+                del views
+                kv_memory.release(key)
+    return entries
+
+
+def msgspec_to_dict(plan: kv_memory.KVPlan) -> dict[str, object]:
+    import msgspec
+
+    return msgspec.to_builtins(plan)  # type: ignore[no-any-return]
+
+
+def test_gpu_fixture_is_what_vllm_gives() -> None:
+    """tests/gpu/kv_views.json carries these views to the GPU machine, where vLLM cannot be
+    installed; it must be exactly what vLLM's allocation code gives here (KVCACHED_WRITE_FIXTURE=1
+    rewrites it)."""
+    import json
+
+    entries = _fixture_entries()
+    if os.environ.get("KVCACHED_WRITE_FIXTURE") == "1":
+        with open(FIXTURE, "w") as f:
+            json.dump(entries, f, indent=1)
+            f.write("\n")
+    with open(FIXTURE) as f:
+        assert json.load(f) == entries

@@ -1,0 +1,77 @@
+"""The worker's KV tensors on CUDA pages, for the seed's model kinds, on the GPU machine.
+
+vLLM cannot be installed there, so ``kv_views.json`` (beside this file) carries what vLLM's own
+allocation code gives on vLLM's CPU build for full attention, MLA and sliding window in the
+layer- and block-outermost layouts (``tests/serve/test_kv_memory.py`` checks the file against
+vLLM on every run). Here the worker-side path of the CUDA backend (``kv_memory.worker_backend``:
+a VMM range of the plan's pages) takes those views: every layer gets vLLM's shape and strides,
+each block's bytes lie in the VMM page its logical page names, writes read back through the
+views, and closing the backend returns every byte of GPU memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_REQUIRED = os.environ.get("KVCACHED_REQUIRE_GPU") == "1"
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    if _REQUIRED:
+        raise RuntimeError("KVCACHED_REQUIRE_GPU=1 but torch sees no CUDA GPU")
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+pytest.importorskip("cuda.bindings")
+
+from kvcached.backends.cuda import load_driver  # noqa: E402
+from kvcached.serve import kv_memory  # noqa: E402
+
+ENTRIES = json.loads((Path(__file__).parent / "kv_views.json").read_text())
+
+
+def _free_bytes() -> int:
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    cu: Any = load_driver()
+    err, free, _total = cu.cuMemGetInfo()
+    assert int(err) == 0
+    return int(free)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[f"{e['kind']}-{e['layout']}" for e in ENTRIES])
+def test_vllm_views_on_vmm_pages(entry: dict[str, Any]) -> None:
+    plan = kv_memory.KVPlan(**entry["plan"])
+    geo = plan.geometry
+    free_before = _free_bytes()
+    backend = kv_memory.worker_backend(plan, device=torch.device("cuda", 0), backend="auto", key="gpu-test")
+    assert backend.kind == "cuda" and backend.num_pages == geo.backend_pages
+    for i in range(backend.num_pages):
+        backend.map_page(i)
+    base = backend.tensor(torch.int8)
+    views = kv_memory.rebuild_views(base, entry["views"])
+    try:
+        assert kv_memory.describe_views(views, base) == entry["views"]  # vLLM's shapes and strides
+        layers = [row["layer"] for row in entry["views"]]
+        for idx, name in enumerate(layers):
+            # Views come tensor by tensor; within a tensor, layer k lives in region k.
+            region = idx % geo.regions
+            view = views[name]
+            for b in sorted({0, min(geo.blocks_per_page, geo.num_blocks - 1), geo.num_blocks - 1}):
+                blk = view[b]
+                start = blk.data_ptr() - base.data_ptr()
+                end = start + blk.numel() * blk.element_size() - 1
+                slot = region * geo.num_pages + b // geo.blocks_per_page
+                assert start // plan.page_bytes == slot == end // plan.page_bytes, (name, b)
+                blk.view(torch.int8).fill_((7 * idx + b) % 127 + 1)
+                assert bool((blk.view(torch.int8) == (7 * idx + b) % 127 + 1).all())
+        torch.cuda.synchronize()
+    finally:
+        del views, base
+        backend.close()
+    assert _free_bytes() >= free_before - (2 << 20)
