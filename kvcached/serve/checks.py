@@ -4,10 +4,12 @@ They run where vLLM builds its configuration (the API server, before any engine 
 starts), so a refusal costs a second, not a model load, and reads as one line instead of a
 worker's traceback. What they accept is what the tests cover: vLLM's CPU build 0.32.0 and vLLM
 0.33.0; no KV connector, or ``OffloadingConnector`` as the only one; one worker (tensor, pipeline
-and data parallel sizes of 1), run by vLLM's multiprocessing or uniprocess executor; the CUDA
-backend only where a GPU is visible. Checks that need the KV cache layout (a block that does not
-divide a page, an interleaved layout) can only run once vLLM has sized the cache; they live in
-``kv_memory.plan`` and fail the worker with the same kind of line.
+and data parallel sizes of 1), run by vLLM's multiprocessing executor on the CPU build (whose
+worker shares host memory with the engine core) or its uniprocess executor (on a GPU, where the
+CUDA pages live in the worker's process); the CUDA backend only where a GPU is visible. Checks
+that need the KV cache layout (a block that does not divide a page, an interleaved layout) can
+only run once vLLM has sized the cache; they live in ``kv_memory.plan`` and fail the worker with
+the same kind of line.
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def check_config(vllm_config: Any, settings: Settings, *, version: str, on_cpu: 
         raise ConfigError(
             f"kvcached needs vLLM's mp or uni executor, not {name}: drop --distributed-executor-backend "
             "or disable kvcached"
+        )
+    if not on_cpu and executor == "mp":
+        # The CUDA backend's pages live in the worker's process; the scheduler can unmap them only
+        # when it runs there too (the CPU build shares host memory across processes instead).
+        raise ConfigError(
+            "kvcached on a GPU needs the scheduler and worker in one process: "
+            "set --distributed-executor-backend uni or disable kvcached"
         )
     _check_connector(vllm_config.kv_transfer_config, on_cpu=on_cpu)
     if settings.backend == "cuda" and (on_cpu or not cuda_visible()):

@@ -63,6 +63,15 @@ def test_unsupported_setups_are_refused(
     assert "\n" not in str(e.value)
 
 
+def test_gpu_with_the_mp_executor_is_refused(model: str) -> None:
+    cfg = _config(model)
+    cfg.parallel_config.distributed_executor_backend = "mp"
+    on = Settings.from_env({"ENABLE_KVCACHED": "1"})
+    checks.check_config(cfg, on, version="0.32.0", on_cpu=True)  # the CPU build shares host memory
+    with pytest.raises(ConfigError, match="--distributed-executor-backend uni"):
+        checks.check_config(cfg, on, version="0.33.0", on_cpu=False)
+
+
 def test_parallel_sizes_are_refused(model: str) -> None:
     cfg = _config(model)
     cfg.parallel_config.tensor_parallel_size = 2
