@@ -184,11 +184,18 @@ def worker_backend(p: KVPlan, *, device: torch.device, backend: str, key: str) -
         b: Backend = HostBackend(p.page_bytes, shared=shm_path(key))
         b.reserve(pages)
         atexit.register(_unlink_quietly, b)
+        _LOCAL[key] = b
         return b
     if backend == "host":
         raise ConfigError(f"kvcached: KVCACHED_BACKEND=host, but this vLLM worker runs on {device}; use cuda or auto")
     b = make_backend("cuda", page_bytes=p.page_bytes, device=device.index or 0)
     b.reserve(pages)
+    # vLLM profiles and warms up (CUDA graphs included) on the KV cache before any scheduler
+    # exists; those writes need real pages, not the shared zero page. The scheduler's attach
+    # gives them all back before the first request.
+    for i in range(pages):
+        b.map_page(i)
+    _LOCAL[key] = b
     return b
 
 
@@ -216,7 +223,6 @@ def allocate(
     p = plan(kv_cache_config, page_bytes)
     key = key or engine_key()
     b = worker_backend(p, device=torch.device(device), backend=backend, key=key)
-    _LOCAL[key] = b
     buf = b.tensor(torch.int8)
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
@@ -289,6 +295,8 @@ def attach(p: KVPlan, *, key: str) -> Backend:
     shared file, whose name is removed once attached (both mappings keep it alive)."""
     local = _LOCAL.get(key)
     if local is not None:
+        for i in local.mapped_pages():  # what the worker mapped for warm-up; the manager maps anew
+            local.unmap_page(i)
         return local
     path = shm_path(key)
     if not os.path.exists(path):

@@ -51,8 +51,7 @@ def test_vllm_views_on_vmm_pages(entry: dict[str, Any]) -> None:
     free_before = _free_bytes()
     backend = kv_memory.worker_backend(plan, device=torch.device("cuda", 0), backend="auto", key="gpu-test")
     assert backend.kind == "cuda" and backend.num_pages == geo.backend_pages
-    for i in range(backend.num_pages):
-        backend.map_page(i)
+    assert backend.mapped_count == backend.num_pages  # mapped for vLLM's warm-up
     base = backend.tensor(torch.int8)
     views = kv_memory.rebuild_views(base, entry["views"])
     try:
@@ -71,7 +70,12 @@ def test_vllm_views_on_vmm_pages(entry: dict[str, Any]) -> None:
                 blk.view(torch.int8).fill_((7 * idx + b) % 127 + 1)
                 assert bool((blk.view(torch.int8) == (7 * idx + b) % 127 + 1).all())
         torch.cuda.synchronize()
+        # The scheduler's attach (same process, uni executor) hands every page back.
+        assert kv_memory.attach(plan, key="gpu-test") is backend
+        assert backend.mapped_count == 0
+        assert _free_bytes() >= free_before - (2 << 20)  # every page went back
+        assert not bool(views[layers[0]][0].view(torch.int8).any())  # unmapped: the zero page reads
     finally:
         del views, base
-        backend.close()
+        kv_memory.release("gpu-test")
     assert _free_bytes() >= free_before - (2 << 20)

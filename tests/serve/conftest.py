@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 
 import pytest
+
+# vLLM loads its plugins in this process too (EngineArgs.create_engine_config does): a developer's
+# ENABLE_KVCACHED=1 would patch vLLM's allocation here, and the tests that compare kvcached's
+# allocation with vLLM's own would compare kvcached with itself. Servers get their own settings.
+for _name in [n for n in os.environ if n == "ENABLE_KVCACHED" or n.startswith("KVCACHED_")]:
+    del os.environ[_name]
 
 
 def _cpu_build() -> bool:
