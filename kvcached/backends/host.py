@@ -130,6 +130,9 @@ class HostBackend(Backend):
         try:
             return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
+            if self._create:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             raise BackendError(f"host: mmap of shared KV memory {path} ({size} bytes) failed: {e}") from e
         finally:
             os.close(fd)  # the mapping keeps the file alive
@@ -157,7 +160,10 @@ class HostBackend(Backend):
             advice = _MADV_REMOVE if self.shared is not None else mmap.MADV_DONTNEED
             for i in range(self._num_pages):
                 if not self._mapped[i]:
-                    self._mm.madvise(advice, i * self.page_bytes, self.page_bytes)
+                    try:
+                        self._mm.madvise(advice, i * self.page_bytes, self.page_bytes)
+                    except OSError as e:
+                        raise BackendError(f"host: madvise of page {i} failed: {e}") from e
 
     def unlink(self) -> None:
         """Remove the shared file's name; the mappings (and the memory in use) stay."""

@@ -160,14 +160,40 @@ class Server:
                     return pid
         raise RuntimeError("no vLLM worker process found under the server")
 
+    def _group(self) -> list[Any]:
+        """Every live process of the server's process group (vLLM's children stay in it), found
+        by scanning, so that orphans of a server that died first are found too."""
+        import psutil
+
+        assert self.proc is not None
+        out = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == self.proc.pid:
+                    out.append(p)
+        return out
+
+    @staticmethod
+    def _alive(p: Any) -> bool:
+        import psutil
+
+        try:
+            return bool(p.is_running()) and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
     def stop(self, grace: float = 90.0) -> None:
-        """SIGINT to the server's process group; SIGKILL after ``grace`` seconds."""
+        """SIGINT to the server's process group; SIGKILL after ``grace`` seconds. What is still
+        running 15 s after the server exited is recorded in ``left_behind``, then killed."""
         import psutil
 
         if self.proc is None or self.exit_seconds is not None:
             return
         self._stop_mark = self.log_path.stat().st_size if self.log_path.exists() else 0
-        tree = [self.proc.pid, *self.descendants()]
+        tree = {p.pid: p for p in self._group()}
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.proc.pid)
+            tree.update((c.pid, c) for c in root.children(recursive=True))
         t0 = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -180,14 +206,24 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         deadline = time.monotonic() + 15
+        left: list[Any] = []
         while time.monotonic() < deadline:
-            self.left_behind = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-            if not self.left_behind:
+            left = [p for p in [*tree.values(), *self._group()] if p.pid != self.proc.pid and self._alive(p)]
+            if not left:
                 break
             time.sleep(0.2)
-        for pid in self.left_behind:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self.left_behind = sorted({p.pid for p in left})
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil checks the process is the one it saw: no recycled pid is hit
+
+    def shm_files(self) -> list[str]:
+        """The server's kvcached KV files still named in /dev/shm (the key starts with its pid)."""
+        from .kv_memory import SHM_DIR
+
+        assert self.proc is not None
+        prefix = f"kvcached-kv-{self.proc.pid}-"
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
     def log(self, *, before_stop: bool = False) -> str:
         data = self.log_path.read_bytes()

@@ -23,6 +23,7 @@ in one process (the uniprocess executor) the scheduler takes the worker's backen
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
@@ -118,10 +119,10 @@ def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
         )
     if block_bytes > page_bytes or page_bytes % block_bytes:
         # The smallest page that holds whole blocks and is whole 2 MiB (CUDA VMM) units.
-        fit = math.lcm(block_bytes, 2 << 20) / (1 << 20)
+        fit = math.lcm(block_bytes, 2 << 20) >> 20
         raise ConfigError(
             f"kvcached: a KV block takes {block_bytes} bytes, which does not divide a "
-            f"{page_bytes / (1 << 20):g} MiB page; set KVCACHED_PAGE_SIZE_MB={fit:g} "
+            f"{page_bytes / (1 << 20):g} MiB page; set KVCACHED_PAGE_SIZE_MB={fit} "
             "(or a --block-size that makes the block a power of two)"
         )
     return KVPlan(
@@ -158,6 +159,29 @@ def shm_path(key: str) -> str:
     return os.path.join(SHM_DIR, f"kvcached-kv-{key}")
 
 
+def remove_stale_files() -> None:
+    """Remove KV files of servers that are gone: a worker killed before the scheduler attached
+    (vLLM kills workers at a failed start) leaves its file named, and tmpfs keeps it until reboot.
+    The key starts with the pid of the process that made it (the API server)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith("kvcached-kv-"):
+            continue
+        pid = name.removeprefix("kvcached-kv-").split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 def check_shm_room(nbytes: int) -> None:
     """Refuse at startup, not with SIGBUS mid-request, when the tmpfs cannot hold the KV cache."""
     try:
@@ -180,6 +204,7 @@ def worker_backend(p: KVPlan, *, device: torch.device, backend: str, key: str) -
     if device.type == "cpu":
         if backend == "cuda":
             raise ConfigError("kvcached: KVCACHED_BACKEND=cuda, but this vLLM worker runs on the CPU; use host or auto")
+        remove_stale_files()
         check_shm_room(p.total_bytes)
         b: Backend = HostBackend(p.page_bytes, shared=shm_path(key))
         b.reserve(pages)
@@ -295,6 +320,13 @@ def attach(p: KVPlan, *, key: str) -> Backend:
     shared file, whose name is removed once attached (both mappings keep it alive)."""
     local = _LOCAL.get(key)
     if local is not None:
+        if isinstance(local, HostBackend):  # one process on the CPU build (uni executor)
+            local.unlink()
+            local.unmap_all()
+            return local
+        import torch
+
+        torch.cuda.synchronize()  # the warm-up's kernels are done with the pages
         for i in local.mapped_pages():  # what the worker mapped for warm-up; the manager maps anew
             local.unmap_page(i)
         return local

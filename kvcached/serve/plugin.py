@@ -121,7 +121,7 @@ def _wrap_allocation(settings: Settings) -> None:
                 page_bytes=settings.page_bytes,
                 backend=settings.backend,
             )
-        except ConfigError as e:
+        except KvcachedError as e:
             log.error("[kvcached] refused: %s", e)
             raise
 
@@ -214,7 +214,7 @@ def _wrap_scheduler(settings: Settings) -> None:
         original_init(self, *args, **kwargs)
         try:
             self._kvcached = EngineState(self, settings)
-        except ConfigError as e:
+        except KvcachedError as e:
             log.error("[kvcached] refused: %s", e)
             raise
 

@@ -194,3 +194,23 @@ def test_gpu_fixture_is_what_vllm_gives() -> None:
             f.write("\n")
     with open(FIXTURE) as f:
         assert json.load(f) == entries
+
+
+def test_stale_kv_files_of_dead_servers_are_removed() -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = kv_memory.shm_path(f"{int(dead.stdout)}-{uuid.uuid4().hex[:12]}")
+    live = kv_memory.shm_path(f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    for path in (stale, live):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        kv_memory.remove_stale_files()
+        assert not os.path.exists(stale)
+        assert os.path.exists(live)  # this process is alive: its file stays
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -112,6 +112,7 @@ def test_server_checks(runs: dict[str, Run], mode: str) -> None:
     assert run.alive_after_load
     assert s.exit_seconds is not None and s.exit_seconds <= 90, s.exit_seconds
     assert s.left_behind == [], f"processes left behind: {s.left_behind}"
+    assert s.shm_files() == [], f"KV files left in /dev/shm: {s.shm_files()}"
     before_stop = s.log(before_stop=True)
     bad = [line for line in before_stop.splitlines() if ERROR_SIGNATURES.search(line)]
     assert not bad, bad[:5]
