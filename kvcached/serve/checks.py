@@ -61,6 +61,15 @@ def check_config(vllm_config: Any, settings: Settings, *, version: str, on_cpu: 
             "set --distributed-executor-backend uni or disable kvcached"
         )
     _check_connector(vllm_config.kv_transfer_config, on_cpu=on_cpu)
+    if on_cpu:
+        # The host backend shares the KV cache through /dev/shm: refuse now, not with SIGBUS on
+        # the first request that writes past what the tmpfs holds. (The worker checks the exact
+        # size again once vLLM has sized the cache.)
+        kv_bytes = getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None)
+        if kv_bytes:
+            from .kv_memory import check_shm_room
+
+            check_shm_room(int(kv_bytes))
     if settings.backend == "cuda" and (on_cpu or not cuda_visible()):
         raise ConfigError(
             "kvcached: KVCACHED_BACKEND=cuda needs a CUDA GPU and none is visible; "

@@ -72,6 +72,17 @@ def test_gpu_with_the_mp_executor_is_refused(model: str) -> None:
         checks.check_config(cfg, on, version="0.33.0", on_cpu=False)
 
 
+def test_a_kv_cache_larger_than_dev_shm_is_refused(model: str) -> None:
+    import os
+
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    cfg = _config(model)
+    cfg.cache_config.kv_cache_memory_bytes = too_big
+    with pytest.raises(ConfigError, match=r"/dev/shm has \d+ MiB free.*--shm-size"):
+        checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
+
+
 def test_parallel_sizes_are_refused(model: str) -> None:
     cfg = _config(model)
     cfg.parallel_config.tensor_parallel_size = 2
