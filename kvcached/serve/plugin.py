@@ -57,9 +57,13 @@ def register() -> None:
     _installed = settings
 
 
+def _bare(e: BaseException) -> str:
+    return str(e).removeprefix("kvcached: ")
+
+
 def _refuse(message: str) -> Any:
     line = message if message.startswith("kvcached") else f"kvcached: {message}"
-    log.error("[kvcached] refused: %s", line)
+    log.error("[kvcached] refused: %s", line.removeprefix("kvcached: "))
     raise SystemExit(line)
 
 
@@ -122,7 +126,7 @@ def _wrap_allocation(settings: Settings) -> None:
                 backend=settings.backend,
             )
         except KvcachedError as e:
-            log.error("[kvcached] refused: %s", e)
+            log.error("[kvcached] refused: %s", _bare(e))
             raise
 
     allocate_kv_cache._kvcached = True  # type: ignore[attr-defined]
@@ -215,7 +219,7 @@ def _wrap_scheduler(settings: Settings) -> None:
         try:
             self._kvcached = EngineState(self, settings)
         except KvcachedError as e:
-            log.error("[kvcached] refused: %s", e)
+            log.error("[kvcached] refused: %s", _bare(e))
             raise
 
     @functools.wraps(original_shutdown)
