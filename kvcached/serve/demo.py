@@ -21,22 +21,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .e2e import ACTIVE_LINE, Completion, Server, ServerConfig, rss_bytes, validation_prompts
+from .e2e import ACTIVE_LINE, Completion, Server, rss_bytes, validation_config, validation_prompts
 from .tiny_model import build
-
-REPRO = {
-    "KVCACHED_LEDGER_POLICY": "ledger",
-    "KVCACHED_MAX_CACHED_TOKENS": "0",
-    "KVCACHED_MAX_RESERVED_PAGES": "0",
-    "KVCACHED_MIN_RESERVED_PAGES": "0",
-    "KVCACHED_PAGE_SIZE_MB": "0.25",
-}
 
 
 def serve(model: str, out: Path, kvcached: bool, console: Console) -> tuple[list[Completion], int, str]:
     name = "kvcached" if kvcached else "native"
-    env = {**REPRO, "KVCACHED_LEDGER_JOURNAL": str(out / "serve.ledger.kvj")} if kvcached else {}
-    cfg = ServerConfig(model=model, kvcached=kvcached, env=env, kv_cache_bytes=64 << 20, cpu_offload_bytes=128 << 20)
+    cfg = validation_config(model, "ledger" if kvcached else None, out / "serve.ledger.kvj")
     with console.status(f"starting the {name} server (vLLM CPU build)..."):
         server = Server(cfg, out / f"{name}.log").start()
         if not server.wait_ready():

@@ -139,39 +139,32 @@ class Server:
             time.sleep(0.25)
         return False
 
-    def descendants(self) -> list[int]:
+    def _processes(self) -> dict[int, Any]:
+        """The server's processes but itself: its process group, found by scanning (so that
+        orphans of a server that died first are found too), and its descendants (in case one
+        left the group), as psutil objects."""
         import psutil
 
-        if self.proc is None:
-            return []
-        try:
-            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        assert self.proc is not None
+        out: dict[int, Any] = {}
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == self.proc.pid:
+                    out[p.pid] = p
+        with contextlib.suppress(psutil.Error):
+            out.update((c.pid, c) for c in psutil.Process(self.proc.pid).children(recursive=True))
+        out.pop(self.proc.pid, None)
+        return out
 
     def worker_pid(self) -> int:
         """The worker process (the one holding the KV cache): vLLM titles it ``VLLM::Worker...``."""
         import psutil
 
-        for pid in self.descendants():
+        for pid, p in self._processes().items():
             with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
                 if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name():
                     return pid
         raise RuntimeError("no vLLM worker process found under the server")
-
-    def _group(self) -> list[Any]:
-        """Every live process of the server's process group (vLLM's children stay in it), found
-        by scanning, so that orphans of a server that died first are found too."""
-        import psutil
-
-        assert self.proc is not None
-        out = []
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
-                if os.getpgid(p.pid) == self.proc.pid:
-                    out.append(p)
-        return out
 
     @staticmethod
     def _alive(p: Any) -> bool:
@@ -190,10 +183,7 @@ class Server:
         if self.proc is None or self.exit_seconds is not None:
             return
         self._stop_mark = self.log_path.stat().st_size if self.log_path.exists() else 0
-        tree = {p.pid: p for p in self._group()}
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self.proc.pid)
-            tree.update((c.pid, c) for c in root.children(recursive=True))
+        tree = self._processes()
         t0 = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -208,7 +198,7 @@ class Server:
         deadline = time.monotonic() + 15
         left: list[Any] = []
         while time.monotonic() < deadline:
-            left = [p for p in [*tree.values(), *self._group()] if p.pid != self.proc.pid and self._alive(p)]
+            left = [p for p in {**tree, **self._processes()}.values() if self._alive(p)]
             if not left:
                 break
             time.sleep(0.2)
@@ -310,6 +300,29 @@ def rss_bytes(pid: int) -> int:
     import psutil
 
     return int(psutil.Process(pid).memory_info().rss)
+
+
+# The seed's reproduction settings (no cached blocks kept, no reserved pages), with pages of one
+# 256 KiB block (per layer, the tiny model's) so that a freed block's page really goes.
+REPRO_SETTINGS = {
+    "KVCACHED_MAX_CACHED_TOKENS": "0",
+    "KVCACHED_MAX_RESERVED_PAGES": "0",
+    "KVCACHED_MIN_RESERVED_PAGES": "0",
+    "KVCACHED_PAGE_SIZE_MB": "0.25",
+}
+
+
+def validation_config(model: str, policy: str | None, journal: str | Path | None = None) -> ServerConfig:
+    """The server of the seed's validation: native (``policy`` None) or kvcached under ``policy``
+    with the reproduction settings; same KV cache and CPU tier either way."""
+    env: dict[str, str] = {}
+    if policy is not None:
+        env = {**REPRO_SETTINGS, "KVCACHED_LEDGER_POLICY": policy}
+        if journal is not None:
+            env["KVCACHED_LEDGER_JOURNAL"] = str(journal)
+    return ServerConfig(
+        model=model, kvcached=policy is not None, env=env, kv_cache_bytes=64 << 20, cpu_offload_bytes=128 << 20
+    )
 
 
 def validation_prompts(seed: int = 0) -> list[tuple[str, int]]:

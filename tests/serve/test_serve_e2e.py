@@ -23,17 +23,19 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.serve.e2e import ACTIVE_LINE, ERROR_SIGNATURES, Completion, Server, ServerConfig, rss_bytes
+from kvcached.serve.e2e import (
+    ACTIVE_LINE,
+    ERROR_SIGNATURES,
+    Completion,
+    Server,
+    ServerConfig,
+    rss_bytes,
+    validation_config,
+    validation_prompts,
+)
 from kvcached.serve.tiny_model import build, corpus
 
 pytestmark = pytest.mark.vllm
-
-REPRO = {
-    "KVCACHED_MAX_CACHED_TOKENS": "0",
-    "KVCACHED_MAX_RESERVED_PAGES": "0",
-    "KVCACHED_MIN_RESERVED_PAGES": "0",
-    "KVCACHED_PAGE_SIZE_MB": "0.25",  # one 256 KiB block (per layer) per page
-}
 
 
 @pytest.fixture(scope="session")
@@ -53,13 +55,8 @@ class Run:
 
 
 def _run(mode: str, model: str, out: Path) -> Run:
-    from kvcached.serve.e2e import validation_prompts
-
     journal = out / f"serve-{mode}.kvj" if mode != "native" else None
-    env = {**REPRO, "KVCACHED_LEDGER_POLICY": mode, "KVCACHED_LEDGER_JOURNAL": str(journal)} if journal else {}
-    cfg = ServerConfig(
-        model=model, kvcached=journal is not None, env=env, kv_cache_bytes=64 << 20, cpu_offload_bytes=128 << 20
-    )
+    cfg = validation_config(model, None if mode == "native" else mode, journal)
     server = Server(cfg, out / f"serve-{mode}.log").start()
     outputs: list[Completion] = []
     resets: list[bool] = []
