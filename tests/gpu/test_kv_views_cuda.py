@@ -11,44 +11,26 @@ views, and closing the backend returns every byte of GPU memory.
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gpu_env import free_bytes, require_gpu
 
-_REQUIRED = os.environ.get("KVCACHED_REQUIRE_GPU") == "1"
-torch = pytest.importorskip("torch")
+torch = require_gpu()
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    if _REQUIRED:
-        raise RuntimeError("KVCACHED_REQUIRE_GPU=1 but torch sees no CUDA GPU")
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
-pytest.importorskip("cuda.bindings")
 
-from kvcached.backends.cuda import load_driver  # noqa: E402
 from kvcached.serve import kv_memory  # noqa: E402
 
 ENTRIES = json.loads((Path(__file__).parent / "kv_views.json").read_text())
-
-
-def _free_bytes() -> int:
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    cu: Any = load_driver()
-    err, free, _total = cu.cuMemGetInfo()
-    assert int(err) == 0
-    return int(free)
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[f"{e['kind']}-{e['layout']}" for e in ENTRIES])
 def test_vllm_views_on_vmm_pages(entry: dict[str, Any]) -> None:
     plan = kv_memory.KVPlan(**entry["plan"])
     geo = plan.geometry
-    free_before = _free_bytes()
+    free_before = free_bytes()
     backend = kv_memory.worker_backend(plan, device=torch.device("cuda", 0), backend="auto", key="gpu-test")
     assert backend.kind == "cuda" and backend.num_pages == geo.backend_pages
     assert backend.mapped_count == backend.num_pages  # mapped for vLLM's warm-up
@@ -73,9 +55,9 @@ def test_vllm_views_on_vmm_pages(entry: dict[str, Any]) -> None:
         # The scheduler's attach (same process, uni executor) hands every page back.
         assert kv_memory.attach(plan, key="gpu-test") is backend
         assert backend.mapped_count == 0
-        assert _free_bytes() >= free_before - (2 << 20)  # every page went back
+        assert free_bytes() >= free_before - (2 << 20)  # every page went back
         assert not bool(views[layers[0]][0].view(torch.int8).any())  # unmapped: the zero page reads
     finally:
         del views, base
         kv_memory.release("gpu-test")
-    assert _free_bytes() >= free_before - (2 << 20)
+    assert free_bytes() >= free_before - (2 << 20)

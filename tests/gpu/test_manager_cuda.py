@@ -10,41 +10,22 @@ Needs msgspec on the GPU machine (scripts/gpu_check.sh installs the carried whee
 
 from __future__ import annotations
 
-import gc
-import os
-from typing import Any
-
 import pytest
+from gpu_env import free_bytes, require_gpu
 
-_REQUIRED = os.environ.get("KVCACHED_REQUIRE_GPU") == "1"
-torch = pytest.importorskip("torch")
+torch = require_gpu()
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    if _REQUIRED:
-        raise RuntimeError("KVCACHED_REQUIRE_GPU=1 but torch sees no CUDA GPU")
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
-pytest.importorskip("cuda.bindings")
 
-from kvcached.backends.cuda import CudaVmmBackend, load_driver  # noqa: E402
+from kvcached.backends.cuda import CudaVmmBackend  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
 from kvcached.ledger.events import BuildBoundary, JobBuilt, JobKind, JobReported  # noqa: E402
 
 MiB = 1 << 20
 
 
-def _free_bytes() -> int:
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    cu: Any = load_driver()
-    err, free, _total = cu.cuMemGetInfo()
-    assert int(err) == 0
-    return int(free)
-
-
 @pytest.mark.parametrize("policy", ["legacy", "ledger"])
 def test_freed_block_copy_on_gpu(policy: str) -> None:
-    before = _free_bytes()
+    before = free_bytes()
     geo = KVGeometry(num_blocks=64, block_bytes=512 * 1024, page_bytes=2 * MiB)  # 4 blocks a page
     backend = CudaVmmBackend(page_bytes=2 * MiB)
     m = KVCacheManager.standalone(geo, backend, policy=policy)
@@ -77,5 +58,5 @@ def test_freed_block_copy_on_gpu(policy: str) -> None:
         del host
         m._bytes.clear()
         backend.close()
-    after = _free_bytes()
+    after = free_bytes()
     assert abs(before - after) <= 2 * MiB, f"GPU memory not returned: {before - after} bytes"
