@@ -89,6 +89,9 @@ class HostBackend(Backend):
         self._addr = 0
         self.shared = shared
         self._create = create
+        # What gives a slot's memory back: a private range drops its pages; a shared file's pages
+        # must be removed from the file, or the other process's mapping would keep them.
+        self._drop = _MADV_REMOVE if shared is not None else mmap.MADV_DONTNEED
         if num_pages is not None:
             self.reserve(num_pages)
 
@@ -144,9 +147,8 @@ class HostBackend(Backend):
 
     def _unmap(self, index: int) -> None:
         assert self._mm is not None
-        advice = _MADV_REMOVE if self.shared is not None else mmap.MADV_DONTNEED
         try:
-            self._mm.madvise(advice, index * self.page_bytes, self.page_bytes)
+            self._mm.madvise(self._drop, index * self.page_bytes, self.page_bytes)
         except OSError as e:
             # madvise either drops the pages or fails before touching them.
             raise PageStillMappedError(f"host: madvise of page {index} failed: {e}") from e
@@ -157,11 +159,10 @@ class HostBackend(Backend):
         with self._lock:
             self._check_reserved()
             assert self._mm is not None
-            advice = _MADV_REMOVE if self.shared is not None else mmap.MADV_DONTNEED
             for i in range(self._num_pages):
                 if not self._mapped[i]:
                     try:
-                        self._mm.madvise(advice, i * self.page_bytes, self.page_bytes)
+                        self._mm.madvise(self._drop, i * self.page_bytes, self.page_bytes)
                     except OSError as e:
                         raise BackendError(f"host: madvise of page {i} failed: {e}") from e
 
@@ -187,11 +188,9 @@ class HostBackend(Backend):
         # One madvise over the whole range also reclaims anything written through a stale view
         # into an unmapped slot, which per-page unmapping would miss.
         try:
-            if self.shared is None:
-                mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
-            elif self._create:
-                # The creator returns the file's memory; an attached process only lets go.
-                mm.madvise(_MADV_REMOVE, 0, len(mm))
+            # Of a shared file, the creator returns the memory; an attached process only lets go.
+            if self.shared is None or self._create:
+                mm.madvise(self._drop, 0, len(mm))
         except OSError as e:
             raise BackendError(f"host: madvise of the whole range failed: {e}") from e
         finally:
