@@ -4,7 +4,7 @@
 # A golden file changes only with a reason in the commit message.
 source "$(dirname "$0")/_env.sh"
 ensure_vllm_env
-GOLDEN=(finish-in-write-step sliding-window preempt-shrink tp2-late-report random-workload-1)
+GOLDEN=(finish-in-write-step finished-store-next-build sliding-window preempt-shrink tp2-late-report random-workload-1)
 .venv-vllm/bin/python -m kvcached.vllm_bridge.scenarios --capture traces "${GOLDEN[@]}"
 # The served pair: `vllm serve` (vLLM's CPU build) with kvcached, the seed's validation load.
 ensure_cpu_env

@@ -7,9 +7,10 @@ worker-role ``OffloadingConnector`` per tensor-parallel rank, each over its own 
 ``KvcachedCPUOffloadingSpec``'s byte-copying worker, in the engine's order for one synchronous
 step (schedule, which builds the connector metadata; per worker: handle_preemptions, bind,
 forward, start_load_kv, wait_for_save, get_finished, build_connector_worker_meta, clear; vLLM's
-``KVOutputAggregator``; ``update_from_output``). A model stand-in writes, for every token the
-step computes, bytes derived from the token's prefix (so a request that reuses another's prefix
-expects the same bytes, as with a real model), its KV group, layer and TP rank; each load is
+``KVOutputAggregator``; ``update_from_output``), or, with async scheduling, in the order of
+the engine core's batch queue (vLLM's ``AsyncScheduler``; step N+1 is scheduled before step N's
+output is processed). A model stand-in (``stand_in.py``) writes, for every token the step
+computes, bytes that identify the token's prefix, KV group, layer and TP rank; each load is
 checked byte for byte at the moment its copy runs. The KV memory comes from a provider
 callable, so kvcached can serve it from elastic pages, and ``on_scheduler_built`` lets kvcached
 install its bridge before the first request.
@@ -17,9 +18,9 @@ install its bridge before the first request.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
-import hashlib
 import json
 import shutil
 import tempfile
@@ -60,6 +61,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from ..errors import ConfigError
 from .cpu_offload import KvcachedCPUOffloadingWorker, TransferPlan
+from .stand_in import ModelStandIn, Row
 
 __all__ = ["FreedBlockCopy", "Harness", "HarnessConfig", "KVMemory", "LoadCheck", "LoadMismatch", "StepRecord"]
 
@@ -83,6 +85,9 @@ class HarnessConfig:
     max_model_len: int = 1024
     vocab_size: int = 1000
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+    # vLLM's AsyncScheduler and the engine core's batch queue of two: step N+1 is scheduled
+    # before step N's output is processed (vLLM's default where the executor supports it).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,14 @@ class FreedBlockCopy:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _Batch:
+    so: SchedulerOutput
+    meta: OffloadingConnectorMetadata
+    record: StepRecord
+    rows: list[Row]
+
+
 def _write_model_dir(cfg: HarnessConfig) -> str:
     path = tempfile.mkdtemp(prefix="kvcached-harness-")
     total_kv_heads = cfg.num_kv_heads * cfg.tp  # the spec's num_kv_heads is per TP rank
@@ -186,15 +199,18 @@ class Harness:
         self.kv_cache_config = self._build_kv_cache_config()
         bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.kv_cache_config.hash_block_size = hash_bs
+        self.model = ModelStandIn(cfg.block_size, self.page_bytes, cfg.vocab_size)
         self.step_index = 0
         self.history: list[StepRecord] = []
         self.load_checks: list[LoadCheck] = []
         self._mismatches: list[LoadMismatch] = []
         self.freed_block_copies: list[FreedBlockCopy] = []
         self._requests: dict[str, Request] = {}
-        self._prefix_hashes: dict[str, list[bytes]] = {}
         self._job_req: dict[int, str] = {}
         self._next_req = 0
+        self._queue_size = 2 if cfg.async_scheduling else 1
+        self._in_flight: collections.deque[_Batch] = collections.deque()
+        self._executing = 0  # the step whose worker side runs now
 
         # Workers first: the engine allocates KV memory before it builds the scheduler.
         provider = kv_memory or (lambda n, b: torch.zeros((n, b), dtype=torch.uint8))
@@ -205,7 +221,12 @@ class Harness:
         for rank in range(cfg.tp):
             self._build_worker(rank, provider)
 
-        self.scheduler = Scheduler(
+        # vLLM's CPU platform turns async scheduling off, as its own CPU worker runs each step
+        # to the end; the harness runs the engine order of a GPU server (whose scheduler and
+        # connector are these same classes), so it asks again after the platform's say.
+        self.vllm_config.scheduler_config.async_scheduling = cfg.async_scheduling
+        scheduler_cls = cast(type[Scheduler], self.vllm_config.scheduler_config.get_scheduler_cls())
+        self.scheduler = scheduler_cls(
             vllm_config=self.vllm_config,
             kv_cache_config=copy.deepcopy(self.kv_cache_config),
             structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -245,7 +266,7 @@ class Harness:
                 is_encoder_decoder=False,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs,
-                async_scheduling=False,
+                async_scheduling=cfg.async_scheduling,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=cfg.tp),
             kv_transfer_config=KVTransferConfig(
@@ -330,14 +351,7 @@ class Harness:
     # --- requests ------------------------------------------------------------------------------
 
     def make_prompt(self, length: int, seed: int) -> list[int]:
-        h = hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=32).digest()
-        out: list[int] = []
-        while len(out) < length:
-            h = hashlib.blake2b(h, digest_size=32).digest()
-            out.extend(
-                1 + int.from_bytes(h[i : i + 2], "little") % (self.config.vocab_size - 1) for i in range(0, 32, 2)
-            )
-        return out[:length]
+        return self.model.prompt(length, seed)
 
     def add_request(
         self,
@@ -361,6 +375,7 @@ class Harness:
             block_hasher=self._block_hasher,
         )
         self._requests[req_id] = request
+        self.model.add(req_id, prompt)
         self.scheduler.add_request(request)
         return req_id
 
@@ -373,9 +388,32 @@ class Harness:
     # --- stepping ------------------------------------------------------------------------------
 
     def busy(self) -> bool:
-        return bool(self.scheduler.has_requests())
+        return bool(self.scheduler.has_requests()) or bool(self._in_flight)
 
-    def step(self) -> StepRecord:
+    def step(self) -> StepRecord | None:
+        """One call of the engine core's step, in its order. Synchronous: schedule, execute,
+        update. Async scheduling (vLLM's batch queue of two): schedule step N+1, then execute
+        step N and update from its output, so a request finishes, and frees its blocks, after the
+        step that follows its last was already scheduled. Step N executes as late as the engine
+        allows (after update N-1, after N+1 was scheduled): a GPU that lags the scheduler, where
+        a copy submitted in step N may run after the frees of N-1. Returns the step it
+        scheduled, or None when the call only finished an earlier step."""
+        record: StepRecord | None = None
+        if self.scheduler.has_requests():
+            batch = self._schedule()
+            record = batch.record
+            self._in_flight.appendleft(batch)
+            if len(self._in_flight) < self._queue_size and (
+                batch.so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()
+            ):
+                return record
+        elif not self._in_flight:
+            return None
+        batch = self._in_flight.pop()
+        self.scheduler.update_from_output(batch.so, self._execute(batch))
+        return record
+
+    def _schedule(self) -> _Batch:
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         if not isinstance(meta, OffloadingConnectorMetadata):
@@ -394,20 +432,33 @@ class Harness:
                 record.stores_of_free_blocks[j] = free
         self._job_req.update(record.load_jobs)
         self._job_req.update({j: r for j, (r, _) in record.store_jobs.items()})
-        sampled = self._sample(so)
-        outputs = [self._run_worker(rank, so, meta, sampled) for rank in range(len(self.workers))]
+        # What the model runner is told at schedule time: each request's token range and block
+        # table, and whether the step samples (the end reaches the tokens the scheduler knows of;
+        # under async scheduling those lag, so every decode samples).
+        rows = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            table = tuple(list(g) for g in self.scheduler.kv_cache_manager.get_block_ids(req_id))
+            rows.append(Row(req_id, end - n, end, table, end >= req.num_tokens))
+        self.history.append(record)
+        self.step_index += 1
+        return _Batch(so, meta, record, rows)
+
+    def _execute(self, batch: _Batch) -> ModelRunnerOutput:
+        self._executing = batch.record.step
+        sampled = self.model.sample(batch.rows)
+        outputs = [self._run_worker(rank, batch, sampled) for rank in range(len(self.workers))]
         aggregated = self.aggregator.aggregate(outputs)
         assert aggregated is not None
         kvo = aggregated.kv_connector_output
         worker_meta = kvo.kv_connector_worker_meta if kvo is not None else None
-        record.completed_jobs = dict(getattr(worker_meta, "completed_jobs", None) or {})
-        self.scheduler.update_from_output(so, aggregated)
-        self.history.append(record)
-        self.step_index += 1
-        return record
+        batch.record.completed_jobs = dict(getattr(worker_meta, "completed_jobs", None) or {})
+        return aggregated
 
     def run_until_idle(self, max_steps: int = 200) -> int:
-        """Step while the scheduler has requests or the connector has jobs out; returns the steps."""
+        """Step while the scheduler has requests, the connector has jobs out or a step's output
+        is still to be processed; returns the steps."""
         n = 0
         while self.busy():
             if n >= max_steps:
@@ -429,18 +480,17 @@ class Harness:
         w.delay_steps = steps
         w.copy_at_completion = copy_at_completion
 
-    def _run_worker(
-        self, rank: int, so: SchedulerOutput, meta: OffloadingConnectorMetadata, sampled: dict[str, list[int]]
-    ) -> ModelRunnerOutput:
+    def _run_worker(self, rank: int, batch: _Batch, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
         conn = self.workers[rank]
+        so = batch.so
         # Each real worker deserializes its own copy; handle_preemptions pops from store_jobs.
-        meta = copy.deepcopy(meta)
+        meta = copy.deepcopy(batch.meta)
         conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
         # vLLM 0.33 starts loads before the forward only when some load is synchronous.
         if so.has_sync_kv_loads:
             conn.start_load_kv(None)
-        self._forward(rank, so)
+        self.model.forward(batch.rows, self._layer_views[rank], rank)
         if not so.has_sync_kv_loads:
             conn.start_load_kv(None)
         conn.wait_for_save()
@@ -461,56 +511,6 @@ class Harness:
             kv_connector_output=kvo,
         )
 
-    # --- the model stand-in --------------------------------------------------------------------
-
-    def _hashes(self, req_id: str, upto: int) -> list[bytes]:
-        """Prefix hashes h[p] of the request's tokens [0, p], so KV depends on the whole prefix."""
-        tokens = self._requests[req_id].all_token_ids
-        hs = self._prefix_hashes.setdefault(req_id, [])
-        prev = hs[-1] if hs else b""
-        for p in range(len(hs), min(upto, len(tokens))):
-            prev = hashlib.blake2b(prev + int(tokens[p]).to_bytes(4, "little"), digest_size=16).digest()
-            hs.append(prev)
-        return hs
-
-    def expected_token_bytes(self, req_id: str, position: int, group: int, layer: int, rank: int) -> bytes:
-        """What the stand-in writes for one token slot of one layer on one rank."""
-        h = self._hashes(req_id, position + 1)[position]
-        tok_bytes = self.page_bytes // self.config.block_size
-        return hashlib.shake_128(h + bytes((group, layer, rank))).digest(tok_bytes)
-
-    def _forward(self, rank: int, so: SchedulerOutput) -> None:
-        bs = self.config.block_size
-        tok_bytes = self.page_bytes // bs
-        for req_id, n in so.num_scheduled_tokens.items():
-            end = self.scheduler.requests[req_id].num_computed_tokens  # already advanced by schedule()
-            start = end - n
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            for g, ids in enumerate(block_ids):
-                p = start
-                while p < end:
-                    k = p // bs
-                    stop = min(end, (k + 1) * bs)
-                    if k < len(ids) and ids[k] != 0:
-                        for layer, view in enumerate(self._layer_views[rank][g]):
-                            data = b"".join(
-                                self.expected_token_bytes(req_id, q, g, layer, rank) for q in range(p, stop)
-                            )
-                            view[ids[k], (p % bs) * tok_bytes : (p % bs) * tok_bytes + len(data)] = torch.frombuffer(
-                                bytearray(data), dtype=torch.int8
-                            )
-                    p = stop
-
-    def _sample(self, so: SchedulerOutput) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for req_id in so.num_scheduled_tokens:
-            req = self.scheduler.requests[req_id]
-            end = req.num_computed_tokens
-            if end >= req.num_tokens:  # prefill done: the step samples one token
-                h = self._hashes(req_id, end)[end - 1]
-                out[req_id] = [1 + int.from_bytes(h[:4], "little") % (self.config.vocab_size - 1)]
-        return out
-
     # --- load verification ---------------------------------------------------------------------
 
     def _free_in_pool(self, block_ids: Sequence[int]) -> tuple[int, ...]:
@@ -523,7 +523,7 @@ class Harness:
         req_id = self._job_req.get(plan.job_id, "?")
         if plan.is_store:
             if free := self._free_in_pool([int(b) for b in plan.device_spec.block_ids]):
-                self.freed_block_copies.append(FreedBlockCopy(self.step_index, rank, plan.job_id, req_id, free))
+                self.freed_block_copies.append(FreedBlockCopy(self._executing, rank, plan.job_id, req_id, free))
             return
         if req_id not in self._requests:
             raise RuntimeError(f"harness: load job {plan.job_id} was never seen in a step's metadata")
@@ -542,16 +542,16 @@ class Harness:
                         k * bs + s
                         for s in range(bs)
                         if got[s * tok_bytes : (s + 1) * tok_bytes]
-                        != self.expected_token_bytes(req_id, k * bs + s, g, layer, rank)
+                        != self.model.kv_bytes(req_id, k * bs + s, g, layer, rank)
                     )
                     if bad:
                         ok = False
                         self._mismatches.append(
                             LoadMismatch(
-                                self.step_index, rank, plan.job_id, req_id, g, layer, k, block_id, bad, not any(got)
+                                self._executing, rank, plan.job_id, req_id, g, layer, k, block_id, bad, not any(got)
                             )
                         )
-                self.load_checks.append(LoadCheck(self.step_index, rank, plan.job_id, req_id, g, k, block_id, ok))
+                self.load_checks.append(LoadCheck(self._executing, rank, plan.job_id, req_id, g, k, block_id, ok))
             off += n
 
     def verify_loads(self) -> list[LoadMismatch]:

@@ -152,17 +152,18 @@ def _run(name: str, policy: str, cfg: HarnessConfig, body: Body, journal: str | 
         kvc.close()
 
 
-def _twice(prompt_len: int, max_tokens: int, tp_delay: int = 0) -> Body:
-    """Store a prompt, reset the GPU prefix cache, send it again: its prefix loads from the CPU tier."""
+def _twice(prompt_len: int, max_tokens: int, tp_delay: int = 0, with_output: bool = False) -> Body:
+    """Store a prompt, reset the GPU prefix cache, send it again (``with_output``: followed by
+    what the first request generated): its prefix loads from the CPU tier."""
 
     def body(h: Harness, kvc: Kvcached) -> None:
         if tp_delay:
             h.delay_worker(1, tp_delay)
         prompt = h.make_prompt(prompt_len, seed=1)
-        h.add_request(prompt=prompt, max_tokens=max_tokens)
+        first = h.add_request(prompt=prompt, max_tokens=max_tokens)
         h.run_until_idle()
         assert h.reset_prefix_cache()
-        h.add_request(prompt=prompt, max_tokens=max_tokens)
+        h.add_request(prompt=prompt + (h.output_tokens(first) if with_output else []), max_tokens=1)
 
     return body
 
@@ -195,35 +196,46 @@ def _preempt_shrink(h: Harness, kvc: Kvcached) -> dict[str, Any]:
     }
 
 
-def _random_workload(seed: int) -> Body:
+def _random_workload(seed: int, follow_up: bool = False) -> Body:
+    """Twelve requests of random prompt and output lengths, half sharing a prefix, arriving
+    while others run; then every prompt again after a prefix-cache reset (``follow_up``: followed
+    by what its request generated, as a chat's next turn sends, so decode blocks load back too)."""
+
     def body(h: Harness, kvc: Kvcached) -> None:
         rng = random.Random(seed)
         shared = h.make_prompt(64, seed=seed)
-        prompts = []
+        sent = []
         for i in range(12):
             p = (shared if rng.random() < 0.5 else []) + h.make_prompt(rng.randint(8, 120), seed=seed * 100 + i)
-            prompts.append(p)
-            h.add_request(prompt=p, max_tokens=rng.choice((1, 1, 2, 5, 17)))
+            sent.append((p, h.add_request(prompt=p, max_tokens=rng.choice((1, 1, 2, 5, 17)))))
             for _ in range(rng.randint(0, 2)):
                 h.step()
         h.run_until_idle(max_steps=400)
         assert h.reset_prefix_cache()
-        for p in prompts:  # every prompt again: whatever reached the CPU tier is loaded back
-            h.add_request(prompt=p, max_tokens=1)
+        for p, req in sent:  # whatever reached the CPU tier is loaded back
+            h.add_request(prompt=p + (h.output_tokens(req) if follow_up else []), max_tokens=1)
             h.step()
 
     return body
 
 
 _WINDOW = HarnessConfig(sliding_window=16, max_num_batched_tokens=64)
+_ASYNC = HarnessConfig(async_scheduling=True)
 _BUSY = HarnessConfig(max_num_batched_tokens=128, num_gpu_blocks=96)
+_BUSY_ASYNC = HarnessConfig(max_num_batched_tokens=128, num_gpu_blocks=96, async_scheduling=True)
 _WINDOW_BUSY = HarnessConfig(sliding_window=16, max_num_batched_tokens=128, num_gpu_blocks=96)
 SCENARIOS: dict[str, tuple[HarnessConfig, Body]] = {
     "finish-in-write-step": (HarnessConfig(), _twice(128, 1)),
+    # Seed case 2. Under async scheduling the last decode step's KV (here the token that fills
+    # block 5: 70 prompt + 10 fed outputs = 80 tokens) is keyed only once that step's output is
+    # processed, after the next step was scheduled without the request; so its store is built
+    # from finished_req_ids, in the build after the request freed its blocks.
+    "finished-store-next-build": (_ASYNC, _twice(70, 11, with_output=True)),
     "sliding-window": (_WINDOW, _twice(111, 1)),
     "preempt-shrink": (_WINDOW_BUSY, _preempt_shrink),
     "tp2-late-report": (HarnessConfig(tp=2), _twice(128, 1, tp_delay=2)),
     **{f"random-workload-{seed}": (_BUSY, _random_workload(seed)) for seed in (1, 2, 3)},
+    **{f"random-workload-async-{seed}": (_BUSY_ASYNC, _random_workload(seed, follow_up=True)) for seed in (4, 5, 6)},
 }
 
 

@@ -88,12 +88,43 @@ def test_sliding_window_blocks_are_stored_after_they_leave_the_window() -> None:
         assert h.verify_loads() == []
 
 
+def test_async_scheduling_stores_the_last_decode_block_after_the_finish() -> None:
+    """vLLM's AsyncScheduler in the engine's batch-queue order: 70 prompt tokens and 10 fed
+    outputs fill block 5 in the last decode step; its key exists only once that step's output is
+    processed, after the next step was scheduled without the request, so the store is built from
+    finished_req_ids over blocks vLLM's pool already holds as free (seed case 2)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    outputs = {}
+    for async_scheduling in (False, True):
+        with Harness(HarnessConfig(async_scheduling=async_scheduling)) as h:
+            assert isinstance(h.scheduler, AsyncScheduler) == async_scheduling
+            prompt = h.make_prompt(70, seed=3)
+            first = h.add_request(prompt=prompt, max_tokens=11)
+            h.run_until_idle(50)
+            outputs[async_scheduling] = h.output_tokens(first)
+            record, job, ids = [(r, j, ids) for r in h.history for j, (_, ids) in r.store_jobs.items()][-1]
+            assert len(ids) == 1
+            if async_scheduling:
+                assert first in record.finished_req_ids and record.num_scheduled_tokens == {}
+                assert record.stores_of_free_blocks == {job: ids}
+            else:
+                assert record.num_scheduled_tokens == {first: 1} and not record.stores_of_free_blocks
+            assert h.reset_prefix_cache()
+            second = h.add_request(prompt=prompt + h.output_tokens(first), max_tokens=1)
+            h.run_until_idle(50)
+            assert sorted(c.block_index for c in h.load_checks if c.req_id == second) == [0, 1, 2, 3, 4]
+            assert h.verify_loads() == []  # vLLM's own pool leaves a free block's bytes in place
+    # The model runner's tokens (ahead of the scheduler's under async) sample the same sequence.
+    assert outputs[False] == outputs[True] and len(outputs[True]) == 11
+
+
 def test_negative_control_lost_store_source_is_caught() -> None:
     with Harness(HarnessConfig()) as h:
         prompt = h.make_prompt(72, seed=7)
         first = h.add_request(prompt=prompt, max_tokens=1)
         record = h.step()
-        assert h.request(first).is_finished()
+        assert record is not None and h.request(first).is_finished()
         ((_, (_, ids)),) = record.store_jobs.items()
         h.zero_blocks(ids)  # what the store reads from an unmapped page, before it is submitted
         h.run_until_idle(50)

@@ -1,0 +1,97 @@
+"""The model stand-in of the real-vLLM harness: KV bytes that say which token wrote them.
+
+A freed-block copy is only visible as wrong bytes, so what the stand-in writes into a KV slot
+must be a function of everything a real model's KV depends on: the whole token prefix (a
+request that reuses another's prefix expects the same bytes, as a real model would produce),
+the KV group, the layer and the tensor-parallel rank. Sampling is a function of the prefix too,
+so a request recomputed after a preemption samples the same token again. The stand-in keeps
+each request's tokens as the model runner knows them: under async scheduling that includes
+tokens it sampled before the scheduler has processed the step's output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ModelStandIn", "Row"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request of a step, as the model runner gets it when the step is scheduled."""
+
+    req_id: str
+    start: int  # first token position the step computes
+    end: int
+    block_ids: tuple[list[int], ...]  # per KV group
+    samples: bool  # the step ends at the request's known tokens, so it samples the next one
+
+
+class ModelStandIn:
+    def __init__(self, block_size: int, page_bytes: int, vocab_size: int) -> None:
+        self.block_size = block_size
+        self.token_bytes = page_bytes // block_size  # one token's slot in one layer's block
+        self.vocab_size = vocab_size
+        self._tokens: dict[str, list[int]] = {}
+        self._prefix_hashes: dict[str, list[bytes]] = {}
+
+    def prompt(self, length: int, seed: int) -> list[int]:
+        h = hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=32).digest()
+        out: list[int] = []
+        while len(out) < length:
+            h = hashlib.blake2b(h, digest_size=32).digest()
+            out.extend(1 + int.from_bytes(h[i : i + 2], "little") % (self.vocab_size - 1) for i in range(0, 32, 2))
+        return out[:length]
+
+    def add(self, req_id: str, prompt: Sequence[int]) -> None:
+        self._tokens[req_id] = list(prompt)
+
+    def _hashes(self, req_id: str, upto: int) -> list[bytes]:
+        """Prefix hashes h[p] of the request's tokens [0, p], so KV depends on the whole prefix."""
+        tokens = self._tokens[req_id]
+        hs = self._prefix_hashes.setdefault(req_id, [])
+        prev = hs[-1] if hs else b""
+        for p in range(len(hs), min(upto, len(tokens))):
+            prev = hashlib.blake2b(prev + int(tokens[p]).to_bytes(4, "little"), digest_size=16).digest()
+            hs.append(prev)
+        return hs
+
+    def kv_bytes(self, req_id: str, position: int, group: int, layer: int, rank: int) -> bytes:
+        """What the stand-in writes for one token slot of one layer on one rank."""
+        h = self._hashes(req_id, position + 1)[position]
+        return hashlib.shake_128(h + bytes((group, layer, rank))).digest(self.token_bytes)
+
+    def forward(self, rows: Sequence[Row], views: Sequence[Sequence[torch.Tensor]], rank: int) -> None:
+        """Write every computed token's bytes into its block; ``views[group][layer]`` is
+        (num_blocks, block bytes of one layer)."""
+        bs, tb = self.block_size, self.token_bytes
+        for row in rows:
+            for g, ids in enumerate(row.block_ids):
+                p = row.start
+                while p < row.end:
+                    k = p // bs
+                    stop = min(row.end, (k + 1) * bs)
+                    if k < len(ids) and ids[k] != 0:
+                        for layer, view in enumerate(views[g]):
+                            data = b"".join(self.kv_bytes(row.req_id, q, g, layer, rank) for q in range(p, stop))
+                            view[ids[k], (p % bs) * tb : (p % bs) * tb + len(data)] = torch.frombuffer(
+                                bytearray(data), dtype=torch.int8
+                            )
+                    p = stop
+
+    def sample(self, rows: Sequence[Row]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for row in (r for r in rows if r.samples):
+            tokens = self._tokens[row.req_id]
+            h = self._hashes(row.req_id, row.end)[row.end - 1]
+            token = 1 + int.from_bytes(h[:4], "little") % (self.vocab_size - 1)
+            if row.end == len(tokens):
+                tokens.append(token)
+            elif tokens[row.end] != token:  # recomputed after a preemption: the same prefix, the same token
+                raise RuntimeError(f"stand-in: {row.req_id} sampled {token} at {row.end}, earlier {tokens[row.end]}")
+            out[row.req_id] = [token]
+        return out
