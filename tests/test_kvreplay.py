@@ -284,11 +284,37 @@ def test_stats_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert r["mapped_max"] == r["in_use_max"] + r["empty_max"]
         assert r["free_max"] == doc["num_pages"] - r["mapped_max"]
     assert doc["totals"]["empty_page_builds"] > 0  # pins kept empty pages mapped
+    assert doc["end"]["events_after_last_build"] > 0  # the scenario ends with a reset's frees
     code, out, _ = run(capsys, "stats", path, "--rows", "4")
-    assert code == 0 and len(out.splitlines()) == 1 + 1 + 4 + 1
+    assert code == 0 and len(out.splitlines()) == 1 + 1 + 4 + 1 + 1
     legacy = scenario_trace(tmp_path, "preempt-shrink", "legacy")
     _, out, _ = run(capsys, "stats", legacy, "--json")
     assert json.loads(out)["totals"]["empty_page_builds"] == 0  # legacy gives empty pages back at once
+
+
+def test_stats_reports_what_follows_the_last_build(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A prefix-cache reset frees blocks after the last build; its unmaps are no build's sample.
+    header = Header(page_bytes=4096, pools=(PoolGeometry(block_bytes=1024, num_blocks=8),), policy=Policy.LEGACY)
+    inputs: list[Event] = [BuildBoundary(0), BlockAlloc(0, (0, 4)), BuildBoundary(1), BlockFree(0, (0, 4))]
+    h, ev = recorded(header, inputs, "legacy")
+    assert [type(e) for e in ev[-2:]] == [PageUnmapped, PageUnmapped]
+    path = write(tmp_path / "reset.kvj", h, ev)
+    code, out, _ = run(capsys, "stats", path, "--json", "--rows", "0")
+    doc = json.loads(out)
+    assert code == 0 and doc["rows"][-1]["mapped_max"] == 2
+    assert doc["end"] == {
+        "events_after_last_build": 3,
+        "mapped": 0,
+        "in_use": 0,
+        "empty": 0,
+        "pinned": 2,  # the freed pages' grace pins, which legacy does not wait for
+        "unmappable": 0,
+        "free": 2,
+    }
+    code, out, _ = run(capsys, "stats", path)
+    assert "after the last build (3 more events): mapped 0, in use 0, empty 0, pinned 2, free 2" in out
+    _, out, _ = run(capsys, "stats", write(tmp_path / "cut.kvj", h, ev[: ev.index(BuildBoundary(1)) + 1]), "--json")
+    assert json.loads(out)["end"] is None
 
 
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

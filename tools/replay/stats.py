@@ -38,6 +38,10 @@ class Series:
     build: array[int] = dataclasses.field(default_factory=lambda: array("q"))
     values: dict[str, array[int]] = dataclasses.field(default_factory=lambda: {m: array("q") for m in METRICS})
     violations: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (build, invariant), first ones
+    # The counts after the last event, when events follow the last boundary (a prefix-cache
+    # reset's frees and unmaps often do): the samples stop at that boundary.
+    end: dict[str, int] | None = None
+    events_after_last_build: int = 0
 
 
 MAX_MARKED_VIOLATIONS = 200
@@ -55,8 +59,20 @@ def collect(trace: Trace, lg: Ledger, skip: int, derived: bool) -> Series:
     bs, vals = s.build, s.values
     mapped_v, in_use_v, empty_v = vals["mapped"], vals["in_use"], vals["empty"]
     pinned_v, unm_v, free_v = vals["pinned"], vals["unmappable"], vals["free"]
+
+    def sweep() -> int:
+        for p in dirty:
+            if is_mapped(p) and not allocated(p):
+                empty.add(p)
+            else:
+                empty.discard(p)
+        dirty.clear()
+        return len(empty)
+
+    since = 0  # events since the last boundary
     for batch in trace.batches(skip, "sampling"):
         for ev in derive(lg, batch) if derived else batch:
+            since += 1
             if not derived:
                 lg.apply(ev)
             if isinstance(ev, BlockAlloc | BlockFree):
@@ -68,17 +84,13 @@ def collect(trace: Trace, lg: Ledger, skip: int, derived: bool) -> Series:
                 if ev.page < n:
                     dirty.add(ev.page)
             elif isinstance(ev, BuildBoundary):
-                for p in dirty:
-                    if is_mapped(p) and not allocated(p):
-                        empty.add(p)
-                    else:
-                        empty.discard(p)
-                dirty.clear()
+                since = 0
+                n_empty = sweep()
                 mapped = lg.mapped_pages
                 bs.append(ev.build)
                 mapped_v.append(mapped)
-                in_use_v.append(mapped - len(empty))
-                empty_v.append(len(empty))
+                in_use_v.append(mapped - n_empty)
+                empty_v.append(n_empty)
                 pinned_v.append(lg.pinned_pages)
                 unm_v.append(len(lg.unmappable))
                 free_v.append(n - mapped)
@@ -87,6 +99,18 @@ def collect(trace: Trace, lg: Ledger, skip: int, derived: bool) -> Series:
                     if len(s.violations) < MAX_MARKED_VIOLATIONS:
                         s.violations.append((v.build, v.invariant))
                 seen = len(lg.violations)
+    if since and bs:
+        n_empty = sweep()
+        mapped = lg.mapped_pages
+        s.events_after_last_build = since
+        s.end = {
+            "mapped": mapped,
+            "in_use": mapped - n_empty,
+            "empty": n_empty,
+            "pinned": lg.pinned_pages,
+            "unmappable": len(lg.unmappable),
+            "free": n - mapped,
+        }
     return s
 
 
@@ -123,6 +147,7 @@ def report(s: Series, buckets: int) -> dict[str, Any]:
             "violations": len(lg.violations),
         },
         "rows": rows(s, buckets),
+        "end": None if s.end is None else {"events_after_last_build": s.events_after_last_build, **s.end},
     }
 
 
@@ -157,6 +182,13 @@ def render(s: Series, buckets: int) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)), file=out)
+    if s.end is not None:
+        e = s.end
+        print(
+            f"after the last build ({s.events_after_last_build:,} more events): mapped {e['mapped']}, "
+            f"in use {e['in_use']}, empty {e['empty']}, pinned {e['pinned']}, free {e['free']}",
+            file=out,
+        )
     t = report(s, 1)["totals"]
     print(
         f"mapped page-builds {t['mapped_page_builds']:,}, of which empty {t['empty_page_builds']:,}; "
