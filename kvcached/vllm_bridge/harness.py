@@ -88,6 +88,11 @@ class HarnessConfig:
     # vLLM's AsyncScheduler and the engine core's batch queue of two: step N+1 is scheduled
     # before step N's output is processed (vLLM's default where the executor supports it).
     async_scheduling: bool = False
+    # When a step's worker side (forward, copies) runs under async scheduling: False, as late as
+    # the engine allows (after the previous step's update: a worker process, or copies on a CUDA
+    # stream, lagging the scheduler); True, at once after its schedule (the uni executor's
+    # Python, with copies that finish before the scheduler moves on).
+    worker_at_schedule: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,12 +148,13 @@ class FreedBlockCopy:
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Batch:
     so: SchedulerOutput
     meta: OffloadingConnectorMetadata
     record: StepRecord
     rows: list[Row]
+    output: ModelRunnerOutput | None = None  # once its worker side ran
 
 
 def _write_model_dir(cfg: HarnessConfig) -> str:
@@ -208,7 +214,6 @@ class Harness:
         self._requests: dict[str, Request] = {}
         self._job_req: dict[int, str] = {}
         self._next_req = 0
-        self._queue_size = 2 if cfg.async_scheduling else 1
         self._in_flight: collections.deque[_Batch] = collections.deque()
         self._executing = 0  # the step whose worker side runs now
 
@@ -225,6 +230,9 @@ class Harness:
         # to the end; the harness runs the engine order of a GPU server (whose scheduler and
         # connector are these same classes), so it asks again after the platform's say.
         self.vllm_config.scheduler_config.async_scheduling = cfg.async_scheduling
+        self._queue_size = int(self.vllm_config.max_concurrent_batches)  # the engine core's batch queue
+        if self._queue_size != (2 if cfg.async_scheduling else 1):
+            raise ConfigError(f"harness: vLLM wants {self._queue_size} batches in flight; only 1 or 2 are modelled")
         scheduler_cls = cast(type[Scheduler], self.vllm_config.scheduler_config.get_scheduler_cls())
         self.scheduler = scheduler_cls(
             vllm_config=self.vllm_config,
@@ -394,14 +402,18 @@ class Harness:
         """One call of the engine core's step, in its order. Synchronous: schedule, execute,
         update. Async scheduling (vLLM's batch queue of two): schedule step N+1, then execute
         step N and update from its output, so a request finishes, and frees its blocks, after the
-        step that follows its last was already scheduled. Step N executes as late as the engine
-        allows (after update N-1, after N+1 was scheduled): a GPU that lags the scheduler, where
-        a copy submitted in step N may run after the frees of N-1. Returns the step it
-        scheduled, or None when the call only finished an earlier step."""
+        step that follows its last was already scheduled. Step N's worker side runs as late as
+        the engine allows (after update N-1, after N+1 was scheduled), where a copy submitted in
+        step N may run after the frees of N-1, or with ``worker_at_schedule`` right after its
+        schedule. Returns the step it scheduled, or None when the call only finished an earlier
+        step."""
+        assert len(self._in_flight) < self._queue_size
         record: StepRecord | None = None
         if self.scheduler.has_requests():
             batch = self._schedule()
             record = batch.record
+            if self.config.worker_at_schedule:
+                batch.output = self._execute(batch)
             self._in_flight.appendleft(batch)
             if len(self._in_flight) < self._queue_size and (
                 batch.so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()
@@ -410,7 +422,7 @@ class Harness:
         elif not self._in_flight:
             return None
         batch = self._in_flight.pop()
-        self.scheduler.update_from_output(batch.so, self._execute(batch))
+        self.scheduler.update_from_output(batch.so, batch.output if batch.output is not None else self._execute(batch))
         return record
 
     def _schedule(self) -> _Batch:

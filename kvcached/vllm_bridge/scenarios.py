@@ -16,6 +16,7 @@ policies and writes their journals: the golden traces of ``traces/``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 from collections.abc import Callable
@@ -226,10 +227,12 @@ _BUSY_ASYNC = HarnessConfig(max_num_batched_tokens=128, num_gpu_blocks=96, async
 _WINDOW_BUSY = HarnessConfig(sliding_window=16, max_num_batched_tokens=128, num_gpu_blocks=96)
 SCENARIOS: dict[str, tuple[HarnessConfig, Body]] = {
     "finish-in-write-step": (HarnessConfig(), _twice(128, 1)),
-    # Seed case 2. Under async scheduling the last decode step's KV (here the token that fills
-    # block 5: 70 prompt + 10 fed outputs = 80 tokens) is keyed only once that step's output is
-    # processed, after the next step was scheduled without the request; so its store is built
-    # from finished_req_ids, in the build after the request freed its blocks.
+    # Seed case 2. Under async scheduling a block is keyed only once the output of the step
+    # before the one that fills it is processed (the token in its last slot comes from there),
+    # so the last decode step's block (here block 5: 70 prompt + 10 fed outputs = 80 tokens)
+    # would be stored by the next step; a request that reaches max_tokens is left out of that
+    # step, so the store is built from finished_req_ids, in the build after the request freed
+    # its blocks. (A request that stops on a stop token gets the extra step.)
     "finished-store-next-build": (_ASYNC, _twice(70, 11, with_output=True)),
     "sliding-window": (_WINDOW, _twice(111, 1)),
     "preempt-shrink": (_WINDOW_BUSY, _preempt_shrink),
@@ -246,9 +249,10 @@ def as_expected(out: Outcome) -> bool:
     return out.wrong_blocks == 0 and not out.violations and out.pinned_pages_left == 0 and not out.shrink_pending
 
 
-def run(name: str, policy: str, journal: str | None = None) -> Outcome:
+def run(name: str, policy: str, journal: str | None = None, **config: Any) -> Outcome:
+    """Run one scenario; ``config`` replaces fields of its HarnessConfig (``async_scheduling=True``)."""
     cfg, body = SCENARIOS[name]
-    return _run(name, policy, cfg, body, journal)
+    return _run(name, policy, dataclasses.replace(cfg, **config), body, journal)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ class ModelStandIn:
 
     def add(self, req_id: str, prompt: Sequence[int]) -> None:
         self._tokens[req_id] = list(prompt)
+        self._prefix_hashes.pop(req_id, None)  # a request id may be used again
 
     def _hashes(self, req_id: str, upto: int) -> list[bytes]:
         """Prefix hashes h[p] of the request's tokens [0, p], so KV depends on the whole prefix."""
@@ -89,6 +90,8 @@ class ModelStandIn:
             tokens = self._tokens[row.req_id]
             h = self._hashes(row.req_id, row.end)[row.end - 1]
             token = 1 + int.from_bytes(h[:4], "little") % (self.vocab_size - 1)
+            if row.end > len(tokens):
+                raise RuntimeError(f"stand-in: {row.req_id} computed up to {row.end}, knows {len(tokens)} tokens")
             if row.end == len(tokens):
                 tokens.append(token)
             elif tokens[row.end] != token:  # recomputed after a preemption: the same prefix, the same token
