@@ -367,8 +367,11 @@ class Harness:
         max_tokens: int = 1,
         prompt: Sequence[int] | None = None,
         request_id: str | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> str:
-        """Queue a request; its prompt is ``prompt`` or ``prompt_len`` tokens seeded by its number."""
+        """Queue a request; its prompt is ``prompt`` or ``prompt_len`` tokens seeded by its number.
+        It ends at ``max_tokens`` or at a token of ``stop_token_ids`` (which the scheduler cannot
+        foresee: under async scheduling the request is in the step after, as with an EOS)."""
         req_id = request_id or f"req-{self._next_req}"
         if prompt is None:
             if prompt_len is None:
@@ -378,7 +381,9 @@ class Harness:
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop_token_ids) or None
+            ),
             pooling_params=None,
             block_hasher=self._block_hasher,
         )

@@ -169,6 +169,18 @@ def _twice(prompt_len: int, max_tokens: int, tp_delay: int = 0, with_output: boo
     return body
 
 
+def _stop_token(h: Harness, kvc: Kvcached) -> None:
+    """Case 2's request, ended by a stop token instead of max_tokens (as by an EOS)."""
+    prompt = h.make_prompt(70, seed=1)
+    out = h.model.continuation(prompt, 11)
+    assert out.index(out[10]) == 10, "the stop token must first come as the 11th output"
+    first = h.add_request(prompt=prompt, max_tokens=30, stop_token_ids=[out[10]])
+    h.run_until_idle()
+    assert h.output_tokens(first) == out
+    assert h.reset_prefix_cache()
+    h.add_request(prompt=prompt + out, max_tokens=1)
+
+
 def _preempt_shrink(h: Harness, kvc: Kvcached) -> dict[str, Any]:
     """P2: window holds of preempted requests while the limit is lowered and the cache reset."""
     prompts = [h.make_prompt(96, seed=s) for s in (11, 12, 13, 14)]
@@ -234,6 +246,10 @@ SCENARIOS: dict[str, tuple[HarnessConfig, Body]] = {
     # step, so the store is built from finished_req_ids, in the build after the request freed
     # its blocks. (A request that stops on a stop token gets the extra step.)
     "finished-store-next-build": (_ASYNC, _twice(70, 11, with_output=True)),
+    # The same request ended by a stop token: the scheduler cannot foresee it, so the request is in
+    # the next step, whose build stores the block while it runs, and vLLM defers the free of its
+    # blocks (defer_block_free) until that step's output is processed: case 1 again, async.
+    "finish-on-stop-token": (_ASYNC, _stop_token),
     "sliding-window": (_WINDOW, _twice(111, 1)),
     "preempt-shrink": (_WINDOW_BUSY, _preempt_shrink),
     "tp2-late-report": (HarnessConfig(tp=2), _twice(128, 1, tp_delay=2)),

@@ -51,15 +51,33 @@ class ModelStandIn:
         self._tokens[req_id] = list(prompt)
         self._prefix_hashes.pop(req_id, None)  # a request id may be used again
 
+    @staticmethod
+    def _chain(prev: bytes, token: int) -> bytes:
+        return hashlib.blake2b(prev + int(token).to_bytes(4, "little"), digest_size=16).digest()
+
+    def _next_token(self, prefix_hash: bytes) -> int:
+        return 1 + int.from_bytes(prefix_hash[:4], "little") % (self.vocab_size - 1)
+
     def _hashes(self, req_id: str, upto: int) -> list[bytes]:
         """Prefix hashes h[p] of the request's tokens [0, p], so KV depends on the whole prefix."""
         tokens = self._tokens[req_id]
         hs = self._prefix_hashes.setdefault(req_id, [])
         prev = hs[-1] if hs else b""
         for p in range(len(hs), min(upto, len(tokens))):
-            prev = hashlib.blake2b(prev + int(tokens[p]).to_bytes(4, "little"), digest_size=16).digest()
+            prev = self._chain(prev, tokens[p])
             hs.append(prev)
         return hs
+
+    def continuation(self, prompt: Sequence[int], n: int) -> list[int]:
+        """The ``n`` tokens a request with ``prompt`` samples (to pick a stop token, say)."""
+        prev = b""
+        for t in prompt:
+            prev = self._chain(prev, t)
+        out: list[int] = []
+        for _ in range(n):
+            out.append(self._next_token(prev))
+            prev = self._chain(prev, out[-1])
+        return out
 
     def kv_bytes(self, req_id: str, position: int, group: int, layer: int, rank: int) -> bytes:
         """What the stand-in writes for one token slot of one layer on one rank."""
@@ -89,7 +107,7 @@ class ModelStandIn:
         for row in (r for r in rows if r.samples):
             tokens = self._tokens[row.req_id]
             h = self._hashes(row.req_id, row.end)[row.end - 1]
-            token = 1 + int.from_bytes(h[:4], "little") % (self.vocab_size - 1)
+            token = self._next_token(h)
             if row.end > len(tokens):
                 raise RuntimeError(f"stand-in: {row.req_id} computed up to {row.end}, knows {len(tokens)} tokens")
             if row.end == len(tokens):

@@ -53,11 +53,13 @@ def test_scenario(name: str, policy: str, tmp_path: Path) -> None:
     assert [f"{v.invariant} {v.code}" for v in replayed.violations] == out.violations
     if name == "finished-store-next-build":  # seed case 2 indeed: the store came after the finish
         assert stores_built_after_finish(trace.events) != []
+    if name == "finish-on-stop-token":  # ... and not when a stop token ends the request
+        assert stores_built_after_finish(trace.events) == []
 
 
 @pytest.mark.parametrize("worker_at_schedule", [False, True], ids=["worker-late", "worker-at-schedule"])
 @pytest.mark.parametrize("policy", ["legacy", "ledger"])
-@pytest.mark.parametrize("name", [*SYNC_CASES, "finished-store-next-build"])
+@pytest.mark.parametrize("name", [*SYNC_CASES, "finished-store-next-build", "finish-on-stop-token"])
 def test_scenario_under_async_scheduling(name: str, policy: str, worker_at_schedule: bool) -> None:
     """The synchronous scenarios again under async scheduling, with the worker side of a step
     run as late as the engine allows or right after its schedule (the uni executor's order)."""
