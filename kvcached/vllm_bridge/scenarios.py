@@ -235,7 +235,7 @@ def _random_workload(seed: int, follow_up: bool = False) -> Body:
 _WINDOW = HarnessConfig(sliding_window=16, max_num_batched_tokens=64)
 _ASYNC = HarnessConfig(async_scheduling=True)
 _BUSY = HarnessConfig(max_num_batched_tokens=128, num_gpu_blocks=96)
-_BUSY_ASYNC = HarnessConfig(max_num_batched_tokens=128, num_gpu_blocks=96, async_scheduling=True)
+_BUSY_ASYNC = dataclasses.replace(_BUSY, async_scheduling=True)
 _WINDOW_BUSY = HarnessConfig(sliding_window=16, max_num_batched_tokens=128, num_gpu_blocks=96)
 SCENARIOS: dict[str, tuple[HarnessConfig, Body]] = {
     "finish-in-write-step": (HarnessConfig(), _twice(128, 1)),

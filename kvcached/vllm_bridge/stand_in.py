@@ -44,7 +44,7 @@ class ModelStandIn:
         out: list[int] = []
         while len(out) < length:
             h = hashlib.blake2b(h, digest_size=32).digest()
-            out.extend(1 + int.from_bytes(h[i : i + 2], "little") % (self.vocab_size - 1) for i in range(0, 32, 2))
+            out.extend(self._token(h[i : i + 2]) for i in range(0, 32, 2))
         return out[:length]
 
     def add(self, req_id: str, prompt: Sequence[int]) -> None:
@@ -55,8 +55,9 @@ class ModelStandIn:
     def _chain(prev: bytes, token: int) -> bytes:
         return hashlib.blake2b(prev + int(token).to_bytes(4, "little"), digest_size=16).digest()
 
-    def _next_token(self, prefix_hash: bytes) -> int:
-        return 1 + int.from_bytes(prefix_hash[:4], "little") % (self.vocab_size - 1)
+    def _token(self, digest: bytes) -> int:
+        """A token id other than 0 from hash bytes."""
+        return 1 + int.from_bytes(digest, "little") % (self.vocab_size - 1)
 
     def _hashes(self, req_id: str, upto: int) -> list[bytes]:
         """Prefix hashes h[p] of the request's tokens [0, p], so KV depends on the whole prefix."""
@@ -75,7 +76,7 @@ class ModelStandIn:
             prev = self._chain(prev, t)
         out: list[int] = []
         for _ in range(n):
-            out.append(self._next_token(prev))
+            out.append(self._token(prev[:4]))
             prev = self._chain(prev, out[-1])
         return out
 
@@ -106,10 +107,9 @@ class ModelStandIn:
         out: dict[str, list[int]] = {}
         for row in (r for r in rows if r.samples):
             tokens = self._tokens[row.req_id]
-            h = self._hashes(row.req_id, row.end)[row.end - 1]
-            token = self._next_token(h)
             if row.end > len(tokens):
                 raise RuntimeError(f"stand-in: {row.req_id} computed up to {row.end}, knows {len(tokens)} tokens")
+            token = self._token(self._hashes(row.req_id, row.end)[row.end - 1][:4])
             if row.end == len(tokens):
                 tokens.append(token)
             elif tokens[row.end] != token:  # recomputed after a preemption: the same prefix, the same token

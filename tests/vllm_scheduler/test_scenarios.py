@@ -57,9 +57,19 @@ def test_scenario(name: str, policy: str, tmp_path: Path) -> None:
         assert stores_built_after_finish(trace.events) == []
 
 
-@pytest.mark.parametrize("worker_at_schedule", [False, True], ids=["worker-late", "worker-at-schedule"])
+# The async scenarios already run with the worker late in test_scenario.
+ASYNC_RUNS = [(n, w) for n in SYNC_CASES for w in (False, True)] + [
+    ("finished-store-next-build", True),
+    ("finish-on-stop-token", True),
+]
+
+
 @pytest.mark.parametrize("policy", ["legacy", "ledger"])
-@pytest.mark.parametrize("name", [*SYNC_CASES, "finished-store-next-build", "finish-on-stop-token"])
+@pytest.mark.parametrize(
+    ("name", "worker_at_schedule"),
+    ASYNC_RUNS,
+    ids=[f"{n}-worker-{'at-schedule' if w else 'late'}" for n, w in ASYNC_RUNS],
+)
 def test_scenario_under_async_scheduling(name: str, policy: str, worker_at_schedule: bool) -> None:
     """The synchronous scenarios again under async scheduling, with the worker side of a step
     run as late as the engine allows or right after its schedule (the uni executor's order)."""

@@ -56,18 +56,19 @@ def collect(trace: Trace, lg: Ledger, skip: int, derived: bool) -> Series:
     dirty: set[int] = set()
     page_of, is_mapped, allocated = lg.page_of, lg.is_mapped, lg.allocated_blocks
     seen = len(lg.violations)
-    bs, vals = s.build, s.values
-    mapped_v, in_use_v, empty_v = vals["mapped"], vals["in_use"], vals["empty"]
-    pinned_v, unm_v, free_v = vals["pinned"], vals["unmappable"], vals["free"]
+    bs = s.build
+    columns = [s.values[m] for m in METRICS]
 
-    def sweep() -> int:
+    def sample() -> tuple[int, ...]:
+        """The counts of METRICS now; re-examines only the pages touched since the last sample."""
         for p in dirty:
             if is_mapped(p) and not allocated(p):
                 empty.add(p)
             else:
                 empty.discard(p)
         dirty.clear()
-        return len(empty)
+        mapped = lg.mapped_pages
+        return mapped, mapped - len(empty), len(empty), lg.pinned_pages, len(lg.unmappable), n - mapped
 
     since = 0  # events since the last boundary
     for batch in trace.batches(skip, "sampling"):
@@ -85,32 +86,17 @@ def collect(trace: Trace, lg: Ledger, skip: int, derived: bool) -> Series:
                     dirty.add(ev.page)
             elif isinstance(ev, BuildBoundary):
                 since = 0
-                n_empty = sweep()
-                mapped = lg.mapped_pages
                 bs.append(ev.build)
-                mapped_v.append(mapped)
-                in_use_v.append(mapped - n_empty)
-                empty_v.append(n_empty)
-                pinned_v.append(lg.pinned_pages)
-                unm_v.append(len(lg.unmappable))
-                free_v.append(n - mapped)
+                for column, value in zip(columns, sample(), strict=True):
+                    column.append(value)
             if len(lg.violations) != seen:
                 for v in lg.violations[seen:]:
                     if len(s.violations) < MAX_MARKED_VIOLATIONS:
                         s.violations.append((v.build, v.invariant))
                 seen = len(lg.violations)
     if since and bs:
-        n_empty = sweep()
-        mapped = lg.mapped_pages
         s.events_after_last_build = since
-        s.end = {
-            "mapped": mapped,
-            "in_use": mapped - n_empty,
-            "empty": n_empty,
-            "pinned": lg.pinned_pages,
-            "unmappable": len(lg.unmappable),
-            "free": n - mapped,
-        }
+        s.end = dict(zip(METRICS, sample(), strict=True))
     return s
 
 
