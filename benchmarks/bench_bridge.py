@@ -31,10 +31,10 @@ from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
 from kvcached.ledger.events import Header, PoolGeometry
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.recorder import Recorder
-from kvcached.ledger.service import BackgroundService, ServiceConfig
+from kvcached.service.ledger_service import BackgroundService, ServiceConfig
+from kvcached.testing.harness import Harness, HarnessConfig
 from kvcached.vllm_bridge.block_pool import install_page_aware_pool
 from kvcached.vllm_bridge.bridge import install_bridge
-from kvcached.vllm_bridge.harness import Harness, HarnessConfig
 
 CFG = HarnessConfig(
     max_num_seqs=256, max_num_batched_tokens=8192, num_gpu_blocks=8192, max_model_len=2048, cpu_bytes_to_use=64 << 20

@@ -5,7 +5,7 @@ source tree) and the mypyc-compiled ledger that ``pip install kvcached`` builds 
 into a temporary folder by ``scripts/build-compiled.sh``). Each figure is the median of
 ``--runs`` runs; each run times a batch of events through ``Ledger.apply`` (the live path) and
 divides. The trace for decode and size is the synthetic serving workload of
-``kvcached.ledger.synth`` with allocator decisions derived under ``ledger``.
+``kvcached.testing.synth`` with allocator decisions derived under ``ledger``.
 
     python benchmarks/bench_ledger.py [--runs 7] [--events 200000] [--json]
 """
@@ -48,7 +48,6 @@ def _run_of(k: int, i: int) -> tuple[int, ...]:
 
 def child(runs: int, n_events: int) -> dict[str, object]:
     from kvcached.ledger import ledger as ledger_mod
-    from kvcached.ledger import synth
     from kvcached.ledger.events import (
         BlockAlloc,
         BlockFree,
@@ -61,6 +60,7 @@ def child(runs: int, n_events: int) -> dict[str, object]:
     )
     from kvcached.ledger.journal import JournalReader, JournalWriter, encode_batch
     from kvcached.ledger.simulate import derive
+    from kvcached.testing import synth
 
     Ledger = ledger_mod.Ledger
     n = 20000

@@ -25,9 +25,9 @@ from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
 from kvcached.ledger.events import Header, PoolGeometry
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.recorder import Recorder
+from kvcached.testing.harness import Harness, HarnessConfig
 from kvcached.vllm_bridge.block_pool import install_page_aware_pool
 from kvcached.vllm_bridge.bridge import install_bridge
-from kvcached.vllm_bridge.harness import Harness, HarnessConfig
 
 CFG = HarnessConfig(max_num_seqs=32, max_num_batched_tokens=1024, num_gpu_blocks=1024, max_model_len=2048)
 # The harness's tiny model has 4 KiB blocks; pages of 16 blocks keep the block-to-page ratio of a

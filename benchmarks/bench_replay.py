@@ -46,11 +46,11 @@ def generate(path: str, n_events: int, policy: str, marks: list[int]) -> dict[st
     frame boundaries at or after each of ``marks`` events (prefixes are valid journals)."""
     import msgspec
 
-    from kvcached.ledger import synth
     from kvcached.ledger.events import Policy
     from kvcached.ledger.journal import JournalWriter
     from kvcached.ledger.ledger import Ledger
     from kvcached.ledger.simulate import derive
+    from kvcached.testing import synth
 
     t0 = time.perf_counter()
     h = msgspec.structs.replace(synth.header(), policy=Policy(policy))

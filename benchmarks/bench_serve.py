@@ -17,8 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from kvcached.serve.e2e import Server, ServerConfig
-from kvcached.serve.tiny_model import build, corpus
+from kvcached.testing.e2e import Server, ServerConfig
+from kvcached.testing.tiny_model import build, corpus
 
 NAMES = ("native", "kvcached")
 

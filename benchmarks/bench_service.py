@@ -3,7 +3,7 @@
 Runs every measurement in child processes, pure-Python ledger and mypyc-compiled ledger side by
 side (as ``benchmarks/bench_ledger.py`` does; ``--pure-only`` skips the 20 s compile), and prints
 medians of ``--runs`` runs. The events are the synthetic serving workload with the allocator's
-decisions derived under ``ledger`` (``kvcached.ledger.synth``).
+decisions derived under ``ledger`` (``kvcached.testing.synth``).
 
 * hand-off: ns per ``Producer.put`` on the producing thread while the service's writer runs on
   its own thread (journal with ``interval`` durability, replica on), timed put by put with
@@ -51,12 +51,12 @@ def _pct(samples: list[int], q: float) -> float:
 
 _PINS_CLIENT = """
 import io, json, sys, time
-from kvcached.ledger import kvctl, live
+from kvcached.service import kvctl, live, messages
 sock, n = sys.argv[1], int(sys.argv[2])
 trips, cli = [], []
 for _ in range(n):
     t0 = time.perf_counter()
-    reply = live.request(sock, live.Request(op="pins"))
+    reply = live.request(sock, messages.Request(op="pins"))
     trips.append(time.perf_counter() - t0)
     assert len(reply.rows) == 10_000
     t0 = time.perf_counter()
@@ -70,11 +70,11 @@ def child(runs: int, n_events: int) -> dict[str, Any]:
     import anyio
 
     from kvcached.ledger import ledger as ledger_mod
-    from kvcached.ledger import synth
     from kvcached.ledger.events import BlockAlloc, JobBuilt, JobKind, PageMapped, PrefixCacheReset, RequestAdded
     from kvcached.ledger.ledger import Ledger
-    from kvcached.ledger.service import BackgroundService, Durability, LedgerService, ServiceConfig
     from kvcached.ledger.simulate import derive
+    from kvcached.service.ledger_service import BackgroundService, Durability, LedgerService, ServiceConfig
+    from kvcached.testing import synth
 
     h = synth.header()
     trace = list(derive(Ledger(h), itertools.islice(synth.workload(7), n_events)))
@@ -191,7 +191,7 @@ def child(runs: int, n_events: int) -> dict[str, Any]:
         whole = []
         for _ in range(3):
             s0 = time.perf_counter()
-            subprocess.run([sys.executable, "-P", "-m", "kvcached.ledger.kvctl", "--socket", sock, "pins"],
+            subprocess.run([sys.executable, "-P", "-m", "kvcached.service.kvctl", "--socket", sock, "pins"],
                            check=True, stdout=subprocess.DEVNULL)
             whole.append(time.perf_counter() - s0)
         stop.set()

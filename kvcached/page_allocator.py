@@ -4,10 +4,10 @@ A page is *free* (unmapped: its memory belongs to the GPU, for another model), *
 (mapped but holding no block: ready to hand out without paying for a map) or *in use* (the
 KV cache manager has blocks on it). Mapping is cheap to decide and expensive to do, unmapping
 is the reverse: it is only safe when the ledger says so. So the allocator never unmaps on its
-own judgement: it unmaps a reserved page only when the page is in the ledger's unmappable set
+own judgement: it unmaps a reserved page only when the page is in the ledger's releasable set
 and it has a reason to give memory back (more reserved pages than
 ``KVCACHED_MAX_RESERVED_PAGES``, or more mapped pages than the memory limit). It learns that a
-page became unmappable from the recorder, whatever event caused it.
+page became releasable from the recorder, whatever event caused it.
 
 A memory limit lowered below what is mapped starts a *shrink*: no page is mapped, reserved
 pages go as soon as the ledger lets them, pages in use when their blocks are freed. Reserved
@@ -88,7 +88,7 @@ class PageAllocator:
         self._in_use: set[int] = set()
         # Reserved pages the ledger lets go: the only pages _trim may unmap.
         self._goable: set[int] = set()
-        recorder.subscribe(self._on_unmappable)
+        recorder.subscribe(self._on_releasable)
 
     # --- counts -------------------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class PageAllocator:
         """The manager's last block on ``page`` was freed: keep it in reserve until it may go."""
         self._in_use.remove(page)
         self._reserved.add(page)
-        if self.ledger.is_unmappable(self.base + page):
+        if self.ledger.is_releasable(self.base + page):
             self._goable.add(page)
         self._trim()
 
@@ -163,12 +163,12 @@ class PageAllocator:
             except BackendError:
                 return  # a reserve is an optimisation; the next alloc will report the failure
             self._reserved.add(page)
-            if self.ledger.is_unmappable(self.base + page):
+            if self.ledger.is_releasable(self.base + page):
                 self._goable.add(page)
 
     # --- giving memory back -------------------------------------------------------------------
 
-    def _on_unmappable(self, pages: list[int]) -> None:
+    def _on_releasable(self, pages: list[int]) -> None:
         base, end = self.base, self.base + self.num_pages
         for gp in pages:
             if base <= gp < end and (gp - base) in self._reserved:

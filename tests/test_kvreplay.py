@@ -19,7 +19,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcached.ledger import synth
 from kvcached.ledger.events import (
     DECISIONS,
     BlockAlloc,
@@ -38,9 +37,10 @@ from kvcached.ledger.events import (
 )
 from kvcached.ledger.journal import JournalWriter, read_journal
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.scenarios import SCENARIOS, preempt_shrink
 from kvcached.ledger.simulate import derive
 from kvcached.ledger.state import LedgerSnapshot
+from kvcached.testing import synth
+from kvcached.testing.seed_cases import SCENARIOS, preempt_shrink
 from kvreplay import tracefile
 from kvreplay.cli import main
 
@@ -308,7 +308,7 @@ def test_stats_reports_what_follows_the_last_build(tmp_path: Path, capsys: pytes
         "in_use": 0,
         "empty": 0,
         "pinned": 2,  # the freed pages' grace pins, which legacy does not wait for
-        "unmappable": 0,
+        "releasable": 0,
         "free": 2,
     }
     code, out, _ = run(capsys, "stats", path)

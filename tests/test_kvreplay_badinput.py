@@ -21,8 +21,8 @@ import pytest
 from kvcached.ledger.events import Header, Policy, PoolGeometry
 from kvcached.ledger.journal import JournalWriter
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.scenarios import SCENARIOS
 from kvcached.ledger.simulate import derive
+from kvcached.testing.seed_cases import SCENARIOS
 from kvreplay.cli import main
 
 MAGIC = b"KVCLEDGR"

@@ -26,9 +26,9 @@ from kvcached.ledger.events import (
     WindowRelease,
 )
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.scenarios import SCENARIOS, preempt_shrink
 from kvcached.ledger.simulate import derive, replay
 from kvcached.ledger.state import LedgerSnapshot
+from kvcached.testing.seed_cases import SCENARIOS, preempt_shrink
 
 KiB = 1024
 STORE, LOAD = JobKind.STORE, JobKind.LOAD
@@ -69,19 +69,19 @@ def test_block_larger_than_page_names_the_setting() -> None:
 # --- policies -----------------------------------------------------------------------------------
 
 
-def test_empty_mapped_page_is_unmappable_under_both_policies_without_pins() -> None:
+def test_empty_mapped_page_is_releasable_under_both_policies_without_pins() -> None:
     for policy in ("legacy", "ledger"):
         lg = ledger(policy, PageMapped(0), PageMapped(1))
-        assert set(lg.unmappable) == {0, 1}
+        assert set(lg.releasable) == {0, 1}
         lg.apply(BlockAlloc(0, (1,)))
-        assert set(lg.unmappable) == {1}
+        assert set(lg.releasable) == {1}
 
 
 def test_legacy_ignores_pins_ledger_honours_them() -> None:
     evs = (PageMapped(0), BlockAlloc(0, (0,)), JobBuilt(1, STORE, 0, ((0,),), 1), BlockFree(0, (0,)))
-    assert ledger("legacy", *evs).is_unmappable(0)
+    assert ledger("legacy", *evs).is_releasable(0)
     lg = ledger("ledger", *evs)
-    assert not lg.is_unmappable(0)
+    assert not lg.is_releasable(0)
     assert lg.is_pinned(0)
 
 
@@ -92,7 +92,7 @@ def test_job_pin_lasts_until_every_worker_reported() -> None:
     lg = ledger("ledger", PageMapped(0), BlockAlloc(0, (0, 1)), JobBuilt(7, STORE, 3, ((0, 1),), 2), BuildBoundary(0))
     lg.apply(BlockFree(0, (0, 1)))
     lg.apply(BuildBoundary(1))  # grace over
-    assert not lg.is_unmappable(0)
+    assert not lg.is_releasable(0)
     (reason,) = lg.why(0).pins
     assert (reason.kind, reason.job, reason.job_kind, reason.waiting_workers, reason.since_build) == (
         "job",
@@ -103,9 +103,9 @@ def test_job_pin_lasts_until_every_worker_reported() -> None:
     )
     lg.apply(JobReported(7, 1))
     assert lg.why(0).pins[0].waiting_workers == 1
-    assert not lg.is_unmappable(0)
+    assert not lg.is_releasable(0)
     lg.apply(JobReported(7, 1))
-    assert lg.is_unmappable(0)
+    assert lg.is_releasable(0)
     assert lg.outstanding_jobs() == 0
 
 
@@ -114,12 +114,12 @@ def test_grace_lasts_exactly_one_more_build() -> None:
     # Freed while build 1 is being assembled: kept until build 1 has been built.
     (reason,) = lg.why(0).pins
     assert (reason.kind, reason.since_build, reason.until_build) == ("grace", 1, 1)
-    assert not lg.is_unmappable(0)
+    assert not lg.is_releasable(0)
     lg.apply(JobBuilt(0, STORE, 0, ((0,),), 1))  # build 1 stores the freed block: pinned in time
     lg.apply(BuildBoundary(1))
     assert [p.kind for p in lg.why(0).pins] == ["job"]
     lg.apply(JobReported(0, 1))
-    assert lg.is_unmappable(0)
+    assert lg.is_releasable(0)
 
 
 def test_grace_only_for_a_free_that_empties_the_page() -> None:
@@ -146,23 +146,23 @@ def test_window_hold_until_release_and_job_pin_survives_the_drop() -> None:
     lg.apply(WindowRelease(5))  # native matching dropped the old block lists
     assert [p.kind for p in lg.why(4).pins] == ["job"]  # the in-flight copy still pins
     lg.apply(JobReported(9, 1))
-    assert lg.is_unmappable(4)
+    assert lg.is_releasable(4)
 
 
 def test_request_finished_ends_window_holds() -> None:
     lg = ledger("ledger", PageMapped(4), BlockAlloc(1, (0,)), WindowHold(2, 1, (0,)), BlockFree(1, (0,)), pools=2)
     lg.apply(BuildBoundary(0))
-    assert not lg.is_unmappable(4)
+    assert not lg.is_releasable(4)
     lg.apply(RequestFinished(2))
-    assert lg.is_unmappable(4)
+    assert lg.is_releasable(4)
 
 
-def test_take_fresh_unmappable_reports_each_page_once() -> None:
+def test_take_fresh_releasable_reports_each_page_once() -> None:
     lg = ledger("legacy", PageMapped(0), PageMapped(1))
-    assert sorted(lg.take_fresh_unmappable()) == [0, 1]
-    assert lg.take_fresh_unmappable() == []
+    assert sorted(lg.take_fresh_releasable()) == [0, 1]
+    assert lg.take_fresh_releasable() == []
     lg.apply_all([BlockAlloc(0, (0,)), BlockFree(0, (0,))])
-    assert lg.take_fresh_unmappable() == [0]
+    assert lg.take_fresh_releasable() == [0]
 
 
 # --- invariants -------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def test_snapshot_plus_suffix_equals_whole(name: str) -> None:
         resumed = Ledger.restore(msgspec.msgpack.decode(wire, type=LedgerSnapshot))
         resumed.apply_all(events[k:])
         assert resumed.snapshot() == whole.snapshot()
-        assert set(resumed.unmappable) == set(whole.unmappable)
+        assert set(resumed.releasable) == set(whole.releasable)
         assert resumed.violations == whole.violations
 
 

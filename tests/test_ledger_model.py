@@ -6,10 +6,10 @@ state. It is written from the specification (the ledger's module docstring), not
 ledger's code, so that the two can only agree by both being right.
 
 The generators below produce LEGAL sequences only (no double alloc, no unmap of a page the
-model does not call unmappable under the policy, builds in order, no over-report, request ids
-never reused once finished): these tests are about the *derivation* of the unmappable set and of
+model does not call releasable under the policy, builds in order, no over-report, request ids
+never reused once finished): these tests are about the *derivation* of the releasable set and of
 the pin reasons, and about snapshot/restore, not about detecting violations. The one exception
-is the legacy policy: unmapping a legacy-unmappable page that a job still pins is exactly the
+is the legacy policy: unmapping a legacy-releasable page that a job still pins is exactly the
 bug the ledger policy exists to fix, and the ledger reports it as I1 ``unmap-under-job``; the
 model predicts those reports and the test checks they match one for one.
 """
@@ -208,7 +208,7 @@ class NaiveModel:
         ]
         return tuple(pins)
 
-    def unmappable_in(self, f: Facts) -> set[int]:
+    def releasable_in(self, f: Facts) -> set[int]:
         return {
             p
             for p in f.mapped
@@ -220,7 +220,7 @@ class NaiveModel:
             page=page,
             mapped=page in f.mapped,
             allocated_blocks=self.count_allocated(f, page),
-            unmappable=page in self.unmappable_in(f),
+            releasable=page in self.releasable_in(f),
             policy=self.policy.value,
             pins=self.pins_in(f, page),
         )
@@ -230,8 +230,8 @@ class NaiveModel:
 
     # the public questions: each one replays the whole history
 
-    def unmappable(self) -> set[int]:
-        return self.unmappable_in(self.facts())
+    def releasable(self) -> set[int]:
+        return self.releasable_in(self.facts())
 
     def pinned(self) -> set[int]:
         return self.pinned_in(self.facts())
@@ -375,11 +375,11 @@ def move_boundary(draw: Draw, m: NaiveModel, f: Facts) -> list[Event]:
 
 
 def can_unmap(m: NaiveModel, f: Facts) -> bool:
-    return bool(m.unmappable_in(f))
+    return bool(m.releasable_in(f))
 
 
 def move_unmap(draw: Draw, m: NaiveModel, f: Facts) -> list[Event]:
-    return [PageUnmapped(page=draw(st.sampled_from(sorted(m.unmappable_in(f)))))]
+    return [PageUnmapped(page=draw(st.sampled_from(sorted(m.releasable_in(f)))))]
 
 
 MOVES = (
@@ -421,7 +421,7 @@ class Expected:
 
     policy: Policy
     num_pages: int
-    unmappable: set[int]
+    releasable: set[int]
     pinned: set[int]
     why: list[PageStatus]
     violations: list[tuple[int, str, str, int, int]]
@@ -432,7 +432,7 @@ class Expected:
         return cls(
             policy=m.policy,
             num_pages=m.num_pages,
-            unmappable=m.unmappable_in(f),
+            releasable=m.releasable_in(f),
             pinned=m.pinned_in(f),
             why=[m.status_in(f, p) for p in range(m.num_pages)],
             violations=m.violations_in(f),
@@ -441,11 +441,11 @@ class Expected:
 
 def assert_agrees(lg: Ledger, want: Expected) -> None:
     assert lg.num_pages == want.num_pages
-    assert set(lg.unmappable) == want.unmappable
+    assert set(lg.releasable) == want.releasable
     assert set(lg.pinned()) == want.pinned
     for p, status in enumerate(want.why):
         assert lg.why(p) == status, f"page {p}"
-        assert lg.is_unmappable(p) == status.unmappable
+        assert lg.is_releasable(p) == status.releasable
         assert lg.is_pinned(p) == bool(status.pins)
         assert lg.is_mapped(p) == status.mapped
         assert lg.allocated_blocks(p) == status.allocated_blocks
@@ -589,7 +589,7 @@ def test_restore_mid_trace_continues_identically(data: st.DataObject, policy: Po
         resumed = Ledger.restore(start)
         resumed.apply_all(events[k:])
         assert resumed.snapshot() == full.snapshot()
-        assert set(resumed.unmappable) == set(full.unmappable)
+        assert set(resumed.releasable) == set(full.releasable)
         assert [resumed.why(p) for p in range(full.num_pages)] == [full.why(p) for p in range(full.num_pages)]
 
 
@@ -617,7 +617,7 @@ def test_geometry_matches_the_model(geometry: tuple[int, tuple[PoolGeometry, ...
         pages = {m.page(pool, b) for b in range(geo.num_blocks)}
         assert [lg.page_of(pool, b) for b in range(geo.num_blocks)] == [m.page(pool, b) for b in range(geo.num_blocks)]
         assert set(lg.pool_pages(pool)) == pages
-    assert lg.unmappable == set() and list(lg.pinned()) == []
+    assert lg.releasable == set() and list(lg.pinned()) == []
 
 
 def test_model_and_ledger_on_a_hand_checked_trace() -> None:
@@ -648,15 +648,15 @@ def test_model_and_ledger_on_a_hand_checked_trace() -> None:
     hold5 = PinReason(kind="window", since_build=1, request="cmpl-a")
     hold7 = PinReason(kind="window", since_build=1, request="r7")
     page0 = PageStatus(
-        page=0, mapped=True, allocated_blocks=0, unmappable=False, policy="ledger", pins=(job2, job9, grace)
+        page=0, mapped=True, allocated_blocks=0, releasable=False, policy="ledger", pins=(job2, job9, grace)
     )
     page3 = PageStatus(
-        page=3, mapped=True, allocated_blocks=0, unmappable=False, policy="ledger", pins=(job9, grace, hold5, hold7)
+        page=3, mapped=True, allocated_blocks=0, releasable=False, policy="ledger", pins=(job9, grace, hold5, hold7)
     )
     assert m.why(0) == page0 == lg.why(0)
     assert m.why(3) == page3 == lg.why(3)
     assert m.pinned() == set(lg.pinned()) == {0, 3}
-    assert m.unmappable() == set(lg.unmappable) == set()
+    assert m.releasable() == set(lg.releasable) == set()
 
     tail: list[Event] = [
         BuildBoundary(build=1),  # grace ends
@@ -665,10 +665,10 @@ def test_model_and_ledger_on_a_hand_checked_trace() -> None:
         WindowRelease(req=7),
         RequestFinished(req=5),  # page 3's last hold ends
     ]
-    expected_unmappable = [set(), set(), {0}, {0}, {0, 3}]
-    for ev, want in zip(tail, expected_unmappable, strict=True):
+    expected_releasable = [set(), set(), {0}, {0}, {0, 3}]
+    for ev, want in zip(tail, expected_releasable, strict=True):
         lg.apply(ev)
         m.apply(ev)
-        assert m.unmappable() == set(lg.unmappable) == want, describe(ev)
+        assert m.releasable() == set(lg.releasable) == want, describe(ev)
     assert m.pinned() == set(lg.pinned()) == set()
     assert m.expected_violations() == [] and lg.violations == []

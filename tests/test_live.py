@@ -22,7 +22,6 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kvcached.errors import ConfigError
-from kvcached.ledger import kvctl, live, synth
 from kvcached.ledger.events import (
     BlockAlloc,
     BlockFree,
@@ -36,8 +35,10 @@ from kvcached.ledger.events import (
     WindowHold,
 )
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.service import BackgroundService, LedgerService, ServiceConfig
 from kvcached.ledger.simulate import derive
+from kvcached.service import kvctl, live, messages
+from kvcached.service.ledger_service import BackgroundService, LedgerService, ServiceConfig
+from kvcached.testing import synth
 
 HEADER = synth.header()
 TRACE: list[Event] = list(derive(Ledger(HEADER), itertools.islice(synth.workload(5), 30_000)))
@@ -74,7 +75,7 @@ async def put(svc: LedgerService, events: list[Event]) -> None:
 
 async def exchange(
     path: str, raw: bytes, *, then_closed: bool = True, eof: bool = False
-) -> tuple[live.Reply | None, bool]:
+) -> tuple[messages.Reply | None, bool]:
     """Sends ``raw`` as is (then EOF if asked); returns the reply (if any) and whether the server then closed."""
     async with await anyio.connect_unix(path) as stream:
         await stream.send(raw)
@@ -84,7 +85,8 @@ async def exchange(
         with anyio.fail_after(5):
             try:
                 (n,) = struct.unpack(">I", await buffered.receive_exactly(4))
-                reply: live.Reply | None = msgspec.msgpack.decode(await buffered.receive_exactly(n), type=live.Reply)
+                body = await buffered.receive_exactly(n)
+                reply: messages.Reply | None = msgspec.msgpack.decode(body, type=messages.Reply)
             except (anyio.IncompleteRead, anyio.EndOfStream):
                 return None, True
             if not then_closed:
@@ -96,15 +98,15 @@ async def exchange(
     return reply, False
 
 
-async def call(path: str, request: live.Request) -> live.Reply:
-    reply, _ = await exchange(path, live.frame(request), then_closed=False)
+async def call(path: str, request: messages.Request) -> messages.Reply:
+    reply, _ = await exchange(path, messages.frame(request), then_closed=False)
     assert reply is not None
     return reply
 
 
-def rows_from_why(lg: Ledger) -> list[live.PinRow]:
+def rows_from_why(lg: Ledger) -> list[messages.PinRow]:
     return [
-        live.PinRow(p, r.kind, r.since_build, r.job, r.job_kind, r.request, r.waiting_workers, r.until_build)
+        messages.PinRow(p, r.kind, r.since_build, r.job, r.job_kind, r.request, r.waiting_workers, r.until_build)
         for p in lg.pinned()
         for r in lg.why(p).pins
     ]
@@ -144,7 +146,7 @@ async def test_socket_is_0600_in_a_0700_directory_and_goes_away_on_stop(tmp_path
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
         st = os.stat(path)
         assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
-        assert isinstance(await call(path, live.Request(op="status")), live.StatusReply)
+        assert isinstance(await call(path, messages.Request(op="status")), messages.StatusReply)
         with pytest.raises(ConfigError, match="another ledger service"):
             live.prepare_socket_path(path)
     assert not os.path.exists(path)
@@ -168,7 +170,7 @@ def test_unsafe_directories_and_paths_are_refused(tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(stale)
     with BackgroundService.start(HEADER, ServiceConfig(socket=stale)):
-        assert isinstance(live.request(stale, live.Request(op="status")), live.StatusReply)
+        assert isinstance(live.request(stale, messages.Request(op="status")), messages.StatusReply)
 
 
 # --- the protocol ---------------------------------------------------------------------------------
@@ -180,34 +182,34 @@ async def test_status_pins_and_why_answer_from_the_replica(tmp_path: Path) -> No
         await put(svc, TRACE[:8000])
         lg = svc.replica
         assert lg is not None
-        status = await call(path, live.Request(op="status"))
-        assert isinstance(status, live.StatusReply) and status.ledger is not None
+        status = await call(path, messages.Request(op="status"))
+        assert isinstance(status, messages.StatusReply) and status.ledger is not None
         c = status.ledger
         assert (c.index, c.pinned_pages, c.mapped_pages, c.outstanding_jobs) == (
             8000, lg.pinned_pages, lg.mapped_pages, lg.outstanding_jobs())
-        assert c.unmappable_pages == len(lg.unmappable) and not c.lossy
+        assert c.releasable_pages == len(lg.releasable) and not c.lossy
         assert status.journal.state == "writing" and status.journal.events_written == 8000
         assert status.handoff.dropped == 0 and status.clients == 1
-        pins = await call(path, live.Request(op="pins"))
-        assert isinstance(pins, live.PinsReply) and pins.rows == rows_from_why(lg) and not pins.truncated
+        pins = await call(path, messages.Request(op="pins"))
+        assert isinstance(pins, messages.PinsReply) and pins.rows == rows_from_why(lg) and not pins.truncated
         assert pins.pinned_pages == lg.pinned_pages > 0
-        few = await call(path, live.Request(op="pins", limit=3))
-        assert isinstance(few, live.PinsReply) and few.rows == pins.rows[:3] and few.truncated
+        few = await call(path, messages.Request(op="pins", limit=3))
+        assert isinstance(few, messages.PinsReply) and few.rows == pins.rows[:3] and few.truncated
         page = pins.rows[0].page
-        why = await call(path, live.Request(op="why", page=page))
-        assert isinstance(why, live.WhyReply) and why.status == lg.why(page)
-        bad = await call(path, live.Request(op="why", page=10**6))
-        assert isinstance(bad, live.ErrorReply) and "not a page" in bad.message
+        why = await call(path, messages.Request(op="why", page=page))
+        assert isinstance(why, messages.WhyReply) and why.status == lg.why(page)
+        bad = await call(path, messages.Request(op="why", page=10**6))
+        assert isinstance(bad, messages.ErrorReply) and "not a page" in bad.message
 
 
 async def test_without_a_replica_status_still_answers_and_pins_say_why_not(tmp_path: Path) -> None:
     path = sock_path(tmp_path)
     async with running(tmp_path, replica=False, snapshot_every=0) as svc:
         await put(svc, TRACE[:100])
-        status = await call(path, live.Request(op="status"))
-        assert isinstance(status, live.StatusReply) and status.ledger is None and status.events == 100
-        pins = await call(path, live.Request(op="pins"))
-        assert isinstance(pins, live.ErrorReply) and "replica" in pins.message
+        status = await call(path, messages.Request(op="status"))
+        assert isinstance(status, messages.StatusReply) and status.ledger is None and status.events == 100
+        pins = await call(path, messages.Request(op="pins"))
+        assert isinstance(pins, messages.ErrorReply) and "replica" in pins.message
 
 
 async def test_malformed_and_oversized_requests_get_an_error_and_the_server_stays_up(tmp_path: Path) -> None:
@@ -225,13 +227,13 @@ async def test_malformed_and_oversized_requests_get_an_error_and_the_server_stay
             (struct.pack(">I", 10 << 20) + b"x" * 10_000, "exceeds 4096"),
         ]:
             reply, closed = await exchange(path, raw)
-            assert isinstance(reply, live.ErrorReply) and expect in reply.message, raw[:20]
+            assert isinstance(reply, messages.ErrorReply) and expect in reply.message, raw[:20]
             assert closed
         for cut in (b"\x00\x00", struct.pack(">I", 100) + b"short"):  # then EOF: no reply, no harm
             assert await exchange(path, cut, eof=True) == (None, True)
         await put(svc, TRACE[:10])
-        status = await call(path, live.Request(op="status"))
-        assert isinstance(status, live.StatusReply) and status.events == 10
+        status = await call(path, messages.Request(op="status"))
+        assert isinstance(status, messages.StatusReply) and status.events == 10
 
 
 async def test_many_clients_at_once(tmp_path: Path) -> None:
@@ -245,7 +247,7 @@ async def test_many_clients_at_once(tmp_path: Path) -> None:
         async def tail_client(k: int) -> None:
             nonlocal ready
             async with await anyio.connect_unix(path) as stream:
-                await stream.send(live.frame(live.Request(op="tail")))
+                await stream.send(messages.frame(messages.Request(op="tail")))
                 buffered = BufferedByteReceiveStream(stream)
                 ready += 1
                 if ready == 8:
@@ -253,15 +255,15 @@ async def test_many_clients_at_once(tmp_path: Path) -> None:
                 seen = got.setdefault(k, [])
                 while len(seen) < n_events:
                     (n,) = struct.unpack(">I", await buffered.receive_exactly(4))
-                    reply = msgspec.msgpack.decode(await buffered.receive_exactly(n), type=live.Reply)
-                    assert isinstance(reply, live.EventsReply)
+                    reply = msgspec.msgpack.decode(await buffered.receive_exactly(n), type=messages.Reply)
+                    assert isinstance(reply, messages.EventsReply)
                     events = msgspec.msgpack.decode(reply.events, type=list[Event])
                     seen.extend(range(reply.first, reply.first + len(events)))
 
         async def asker() -> None:
             ops: list[Literal["status", "pins"]] = ["status", "pins", "status"]
             for op in ops:
-                reply = await call(path, live.Request(op=op))
+                reply = await call(path, messages.Request(op=op))
                 assert type(reply).__name__.lower().startswith(op)
 
         with anyio.fail_after(60):
@@ -285,7 +287,7 @@ def test_a_tail_client_that_stops_reading_is_dropped_and_others_keep_receiving(t
     with BackgroundService.start(HEADER, cfg) as bg:
         stuck = socket.socket(socket.AF_UNIX)
         stuck.connect(path)
-        stuck.sendall(live.frame(live.Request(op="tail")))  # and never reads
+        stuck.sendall(messages.frame(messages.Request(op="tail")))  # and never reads
         received: list[int] = []
 
         def reader() -> None:
@@ -297,9 +299,9 @@ def test_a_tail_client_that_stops_reading_is_dropped_and_others_keep_receiving(t
         t = threading.Thread(target=reader)
         t.start()
 
-        def status() -> live.StatusReply:
-            reply = live.request(path, live.Request(op="status"))
-            assert isinstance(reply, live.StatusReply)
+        def status() -> messages.StatusReply:
+            reply = live.request(path, messages.Request(op="status"))
+            assert isinstance(reply, messages.StatusReply)
             return reply
 
         deadline = time.monotonic() + 10

@@ -18,12 +18,12 @@ import msgspec
 import pytest
 
 from kvcached.errors import ConfigError
-from kvcached.ledger import service as service_mod
-from kvcached.ledger import synth
 from kvcached.ledger.events import Event, Gap
 from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.service import (
+from kvcached.ledger.simulate import derive
+from kvcached.service import ledger_service as service_mod
+from kvcached.service.ledger_service import (
     BackgroundService,
     Durability,
     LedgerService,
@@ -35,7 +35,7 @@ from kvcached.ledger.service import (
     segment_path,
     snapshot_path,
 )
-from kvcached.ledger.simulate import derive
+from kvcached.testing import synth
 
 HEADER = synth.header()
 _TRACE: list[Event] = []
@@ -227,7 +227,7 @@ def test_overflow_never_blocks_the_producer_and_is_journaled_as_a_gap(
     monkeypatch.setattr(service_mod, "_open_segment_file", lambda p: FaultyFile(p, gate=gate))
     events = trace(20_000)
     path = str(tmp_path / "slow.kvj")
-    caplog.set_level(logging.WARNING, "kvcached.ledger.service")
+    caplog.set_level(logging.WARNING, "kvcached.service.ledger_service")
     bg = BackgroundService.start(HEADER, ServiceConfig(journal=path, capacity=1000, batch_events=100))
     try:
         slowest = 0.0
@@ -260,7 +260,7 @@ def test_a_full_disk_stops_journaling_once_and_the_producer_keeps_serving(
     monkeypatch.setattr(service_mod, "_open_segment_file", lambda p: FaultyFile(p, room=20_000))
     events = trace(20_000)
     path = str(tmp_path / "full.kvj")
-    caplog.set_level(logging.ERROR, "kvcached.ledger.service")
+    caplog.set_level(logging.ERROR, "kvcached.service.ledger_service")
     with BackgroundService.start(HEADER, ServiceConfig(journal=path, batch_events=64, snapshot_every=0)) as bg:
         t0 = time.perf_counter()
         put_all(bg.producer, events, pause_every=200)
@@ -280,7 +280,7 @@ def test_a_full_disk_stops_journaling_once_and_the_producer_keeps_serving(
 def test_an_unwritable_journal_path_leaves_the_service_running(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, "kvcached.ledger.service")
+    caplog.set_level(logging.ERROR, "kvcached.service.ledger_service")
     cfg = ServiceConfig(journal=str(tmp_path / "missing" / "j.kvj"))
     with BackgroundService.start(HEADER, cfg) as bg:
         put_all(bg.producer, trace(1000))

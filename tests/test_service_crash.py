@@ -22,12 +22,12 @@ from typing import Any, BinaryIO, NoReturn, cast
 
 import pytest
 
-from kvcached.ledger import service as service_mod
-from kvcached.ledger import synth
 from kvcached.ledger.events import Event, Gap
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.service import BackgroundService, Durability, RotatedJournal, ServiceConfig
 from kvcached.ledger.simulate import derive
+from kvcached.service import ledger_service as service_mod
+from kvcached.service.ledger_service import BackgroundService, Durability, RotatedJournal, ServiceConfig
+from kvcached.testing import synth
 
 HEADER = synth.header()
 EVENTS: list[Event] = list(derive(Ledger(HEADER), itertools.islice(synth.workload(11), 40_000)))

@@ -137,7 +137,7 @@ def finished_request(lg: Ledger, req: int, n: int) -> None:
 def shrink(lg: Ledger, n: int) -> None:
     """I4 while over the memory limit: the shrink must finish once the pins allow it."""
     k = lg.liveness_builds
-    if lg._unmappable:
+    if lg._releasable:
         if lg._stall_since is None:
             lg._stall_since = n
         elif n - lg._stall_since > k and not lg._stall_reported:
@@ -145,8 +145,8 @@ def shrink(lg: Ledger, n: int) -> None:
             lg._violate(
                 "I4", "shrink-stalled",
                 f"{lg.mapped_pages} pages mapped over a limit of {lg.limit} for {n - lg._stall_since} builds "
-                f"while {len(lg._unmappable)} page(s) could be unmapped",
-                page=min(lg._unmappable),
+                f"while {len(lg._releasable)} page(s) could be unmapped",
+                page=min(lg._releasable),
             )
     else:
         lg._stall_since = None

@@ -37,9 +37,9 @@ class JobKind(enum.IntEnum):
 
 
 class Policy(enum.Enum):
-    """How the unmappable set is derived from the events."""
+    """How the releasable set is derived from the events."""
 
-    LEGACY = "legacy"  # empty page = unmappable (kvcached before the offloading pins)
+    LEGACY = "legacy"  # empty page = releasable (kvcached before the offloading pins)
     LEDGER = "ledger"  # empty and unpinned (job pins, grace, window holds)
 
 

@@ -81,14 +81,14 @@ class PageStatus(msgspec.Struct, frozen=True, kw_only=True):
     page: int
     mapped: bool
     allocated_blocks: int
-    unmappable: bool
+    releasable: bool
     policy: str
     pins: tuple[PinReason, ...]
 
     def describe(self) -> str:
         state = "mapped" if self.mapped else "unmapped"
         head = f"page {self.page}: {state}, {self.allocated_blocks} block(s) allocated"
-        if self.unmappable:
+        if self.releasable:
             return f"{head}; may be unmapped ({self.policy})"
         reasons = []
         if not self.mapped:

@@ -5,8 +5,10 @@ it the same questions, so a bug reproduced by replay is a bug of the code that s
 ledger is synchronous, pure (it performs no I/O and no unmapping) and incremental: an event
 touches only the pages it names, so it can sit on vLLM's scheduler thread.
 
-A page is *unmappable* under ``legacy`` when it is mapped and holds no allocated block, and
-under ``ledger`` when, in addition, nothing pins it. Pins are of three kinds:
+A page is *releasable* (it may be unmapped now, its memory given back) under ``legacy`` when it
+is mapped and holds no allocated block, and under ``ledger`` when, in addition, nothing pins it.
+(Earlier versions of this project and its design brief said "unmappable"; we avoid the word,
+which most readers take to mean "cannot be mapped".) Pins are of three kinds:
 
 * job pin: the pages of a transfer job's blocks, from the build that returns the job until its
   workers have reported it as many times as it has workers;
@@ -56,7 +58,7 @@ DEFAULT_LIVENESS_BUILDS = 16
 
 
 class Ledger:
-    """Derives the unmappable pages from events and checks invariants I1-I4 on each."""
+    """Derives the releasable pages from events and checks invariants I1-I4 on each."""
 
     def __init__(
         self,
@@ -116,7 +118,7 @@ class Ledger:
         self._finished: dict[int, int] = {}  # req -> build of its last build, while jobs remain
         self._finish_due: dict[int, list[int]] = {}
         self._preempted: dict[int, int] = {}
-        self._unmappable: set[int] = set()
+        self._releasable: set[int] = set()
         self._fresh: list[int] = []
         self.index = 0
         self.build = 0  # the build being assembled: jobs seen now belong to it
@@ -158,12 +160,12 @@ class Ledger:
     # --- the questions ----------------------------------------------------------------------
 
     @property
-    def unmappable(self) -> Set[int]:
+    def releasable(self) -> Set[int]:
         """Pages that may be unmapped now under the policy (a live view: do not keep it)."""
-        return self._unmappable
+        return self._releasable
 
-    def is_unmappable(self, page: int) -> bool:
-        return page in self._unmappable
+    def is_releasable(self, page: int) -> bool:
+        return page in self._releasable
 
     def is_mapped(self, page: int) -> bool:
         return bool(self._mapped[page])
@@ -182,10 +184,10 @@ class Ledger:
         nb = self.header.pools[pool].num_blocks
         return range(self._first[pool], self._first[pool] + -(-nb // self._bpp[pool]))
 
-    def take_fresh_unmappable(self) -> list[int]:
-        """Pages that became unmappable since the last call and still are (for an allocator)."""
+    def take_fresh_releasable(self) -> list[int]:
+        """Pages that became releasable since the last call and still are (for an allocator)."""
         fresh, self._fresh = self._fresh, []
-        unm = self._unmappable
+        unm = self._releasable
         return [p for p in dict.fromkeys(fresh) if p in unm]
 
     def build_of(self, index: int) -> int:
@@ -251,7 +253,7 @@ class Ledger:
             page=page,
             mapped=bool(self._mapped[page]),
             allocated_blocks=self._page_alloc[page],
-            unmappable=page in self._unmappable,
+            releasable=page in self._releasable,
             policy=self.policy.value,
             pins=tuple(pins),
         )
@@ -289,11 +291,11 @@ class Ledger:
 
     def _refresh(self, p: int) -> None:
         if self._mapped[p] and not self._page_alloc[p] and (self._legacy or not self._pins[p]):
-            if p not in self._unmappable:
-                self._unmappable.add(p)
+            if p not in self._releasable:
+                self._releasable.add(p)
                 self._fresh.append(p)
         else:
-            self._unmappable.discard(p)
+            self._releasable.discard(p)
 
     def _pin(self, p: int) -> None:
         n = self._pins[p]
@@ -303,15 +305,15 @@ class Ledger:
             if self.pinned_pages > self.peak_pinned_pages:
                 self.peak_pinned_pages = self.pinned_pages
             if not self._legacy:
-                self._unmappable.discard(p)
+                self._releasable.discard(p)
 
     def _unpin(self, p: int) -> None:
         n = self._pins[p] - 1
         self._pins[p] = n
         if not n:
             self.pinned_pages -= 1
-            if not self._legacy and self._mapped[p] and not self._page_alloc[p] and p not in self._unmappable:
-                self._unmappable.add(p)
+            if not self._legacy and self._mapped[p] and not self._page_alloc[p] and p not in self._releasable:
+                self._releasable.add(p)
                 self._fresh.append(p)
 
     def _violate(self, invariant: InvariantId, code: str, message: str, **kw: Any) -> None:
@@ -372,7 +374,7 @@ class Ledger:
             n = page_alloc[p]
             page_alloc[p] = n + 1
             if not n:
-                self._unmappable.discard(p)
+                self._releasable.discard(p)
 
     def _block_free(self, ev: BlockFree) -> None:
         pool = ev.pool
@@ -411,8 +413,8 @@ class Ledger:
                     if self.pinned_pages > self.peak_pinned_pages:
                         self.peak_pinned_pages = self.pinned_pages
             grace[p] = i
-            if self._legacy and self._mapped[p] and p not in self._unmappable:
-                self._unmappable.add(p)
+            if self._legacy and self._mapped[p] and p not in self._releasable:
+                self._releasable.add(p)
                 self._fresh.append(p)
 
     def _job_built(self, ev: JobBuilt) -> None:
@@ -468,7 +470,7 @@ class Ledger:
         req_jobs = self._req_jobs
         req_jobs[req] = req_jobs.get(req, 0) + 1
         page_jobs, jobpins, pins = self._page_jobs, self._jobpins, self._pins
-        legacy, unm = self._legacy, self._unmappable
+        legacy, unm = self._legacy, self._releasable
         for p in pages:
             k = jobpins[p]
             jobpins[p] = k + 1
@@ -521,7 +523,7 @@ class Ledger:
             if not n:
                 self.pinned_pages -= 1
                 if not self._legacy and self._mapped[p] and not self._page_alloc[p]:
-                    self._unmappable.add(p)
+                    self._releasable.add(p)
                     self._fresh.append(p)
         req: int = st[1]
         left = self._req_jobs[req] - 1
@@ -616,7 +618,7 @@ class Ledger:
         self._unmap_ix[p] = self.index
         self.mapped_pages -= 1
         self.unmaps += 1
-        self._unmappable.discard(p)
+        self._releasable.discard(p)
 
     def _gap(self, ev: Gap) -> None:
         self.lossy = True

@@ -3,7 +3,7 @@
 Emitting applies the event to the ledger first, so the ledger is never behind the engine, and
 then hands it to the journal if one is attached. A journal that fails (disk full, file gone)
 is dropped with one log line and serving goes on: losing the trace is better than losing the
-server. The allocator subscribes to learn that pages became unmappable because of an event it
+server. The allocator subscribes to learn that pages became releasable because of an event it
 did not emit itself (a build boundary, a job report), so that it can give them back at once.
 """
 
@@ -51,7 +51,7 @@ class Recorder:
         return cls(Ledger(header), journal, batch=batch)
 
     def subscribe(self, listener: Callable[[list[int]], None]) -> None:
-        """Call ``listener(pages)`` after any event that made ``pages`` unmappable."""
+        """Call ``listener(pages)`` after any event that made ``pages`` releasable."""
         self._listeners.append(listener)
 
     def emit(self, event: Event) -> None:
@@ -64,7 +64,7 @@ class Recorder:
             if len(self._pending) >= self._batch:
                 self.flush()
         if ledger._fresh:
-            pages = ledger.take_fresh_unmappable()
+            pages = ledger.take_fresh_releasable()
             for listener in self._listeners:
                 listener(pages)
 

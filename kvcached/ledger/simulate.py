@@ -21,7 +21,7 @@ def derive(ledger: Ledger, inputs: Iterable[Event]) -> Iterator[Event]:
 
     Recorded decisions in ``inputs`` are dropped: the point is to make them again.
     """
-    apply, fresh = ledger.apply, ledger.take_fresh_unmappable
+    apply, fresh = ledger.apply, ledger.take_fresh_releasable
     for ev in inputs:
         if type(ev) in DECISIONS:
             continue

@@ -1,7 +1,7 @@
 """The ledger's state as a value: outstanding jobs, and the snapshot that restores a ledger.
 
 A snapshot holds the *inputs* to the derivation (blocks, pins, jobs, requests) and none of its
-outputs: the unmappable set is recomputed on restore by the same ``_refresh`` the live path
+outputs: the releasable set is recomputed on restore by the same ``_refresh`` the live path
 uses, so a snapshot cannot disagree with the events that produced it. Snapshots let kvreplay
 start a long trace in the middle and let the journal service write checkpoints.
 """
@@ -180,7 +180,7 @@ def restore_snapshot(lg: Ledger, s: LedgerSnapshot) -> None:
     lg._hold_reported = set(s.hold_reported)
     lg.builds, lg.jobs_built, lg.maps, lg.unmaps = s.builds, s.jobs_built, s.maps, s.unmaps
     lg.prefix_cache_resets = s.prefix_cache_resets
-    lg._unmappable = set()
+    lg._releasable = set()
     for p in range(lg.num_pages):
         lg._refresh(p)
     lg._fresh = []

@@ -30,7 +30,7 @@ from ..kv_cache_manager import KVCacheManager
 from ..ledger.events import Header
 from ..ledger.ledger import Ledger
 from ..ledger.recorder import Recorder
-from ..ledger.service import BackgroundService, ServiceConfig
+from ..service.ledger_service import BackgroundService, ServiceConfig
 from ..settings import Settings
 from . import checks, kv_memory
 

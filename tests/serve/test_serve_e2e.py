@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.serve.e2e import (
+from kvcached.testing.e2e import (
     ACTIVE_LINE,
     ERROR_SIGNATURES,
     Completion,
@@ -33,7 +33,7 @@ from kvcached.serve.e2e import (
     validation_config,
     validation_prompts,
 )
-from kvcached.serve.tiny_model import build, corpus
+from kvcached.testing.tiny_model import build, corpus
 
 pytestmark = pytest.mark.vllm
 

@@ -16,9 +16,9 @@ import pytest
 
 from kvcached.errors import ConfigError
 from kvcached.serve import checks
-from kvcached.serve.e2e import free_port
-from kvcached.serve.tiny_model import build
 from kvcached.settings import Settings
+from kvcached.testing.e2e import free_port
+from kvcached.testing.tiny_model import build
 
 OURS = {"spec_name": checks.OUR_SPEC[0], "spec_module_path": checks.OUR_SPEC[1], "cpu_bytes_to_use": 1 << 26}
 

@@ -17,7 +17,7 @@ import pytest
 from kvcached.ledger.events import BuildBoundary, Event, JobBuilt, JobKind, RequestFinished
 from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
-from kvcached.vllm_bridge.scenarios import SCENARIOS, as_expected, run
+from kvcached.testing.vllm_scenarios import SCENARIOS, as_expected, run
 
 pytestmark = pytest.mark.vllm
 
@@ -120,6 +120,6 @@ def stores_built_after_finish(events: Sequence[Event]) -> list[tuple[int, int]]:
 
 
 def test_the_case_2_watch_sees_case_2() -> None:
-    from kvcached.ledger.scenarios import last_block_next_build
+    from kvcached.testing.seed_cases import last_block_next_build
 
     assert stores_built_after_finish(last_block_next_build().events) == [(1, 0)]

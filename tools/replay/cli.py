@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvcached.errors import KvcachedError
 from kvcached.ledger.events import Policy
-from kvcached.ledger.scenarios import SCENARIOS
+from kvcached.testing.seed_cases import SCENARIOS
 
 from . import check, compare, make, minimize, plot, show, snapshot, stats
 

@@ -12,8 +12,8 @@ import io
 
 from kvcached.ledger.findings import Violation
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.scenarios import SCENARIOS, Scenario
 from kvcached.ledger.simulate import derive
+from kvcached.testing.seed_cases import SCENARIOS, Scenario
 
 
 def _run(sc: Scenario, policy: str) -> tuple[Ledger, int]:

@@ -17,12 +17,12 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from kvcached.ledger import synth
 from kvcached.ledger.events import DECISIONS, Event, Header, Policy
 from kvcached.ledger.journal import JournalWriter
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.scenarios import SCENARIOS
 from kvcached.ledger.simulate import derive
+from kvcached.testing import synth
+from kvcached.testing.seed_cases import SCENARIOS
 
 BATCH = 4096
 
@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "synth",
         help="write a synthetic serving workload as a trace, to try kvreplay on or to benchmark it",
-        description="Write N input events of the synthetic serving workload (kvcached.ledger.synth) to OUT, with "
+        description="Write N input events of the synthetic serving workload (kvcached.testing.synth) to OUT, with "
         "the map/unmap decisions of the most eager allocator under --policy (legacy shows freed-block copies).",
     )
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="the trace to write")

@@ -119,8 +119,8 @@ class _Page(_Focus):
         parts = ["mapped" if lg.is_mapped(p) else "unmapped", f"{lg.allocated_blocks(p)} block(s)"]
         if lg.is_pinned(p):
             parts.append("pinned")
-        if lg.is_unmappable(p):
-            parts.append("unmappable")
+        if lg.is_releasable(p):
+            parts.append("releasable")
         return ", ".join(parts)
 
     def final(self, lg: Ledger) -> str:
@@ -263,7 +263,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         parents=[common],
         help="the timeline of one page, job or request",
         description="Replay TRACE and print every event about one page, job or request, with the state after it "
-        "(for a page: mapped, blocks allocated, pinned, unmappable) and every violation about it. Lines in "
+        "(for a page: mapped, blocks allocated, pinned, releasable) and every violation about it. Lines in "
         "parentheses are events that do not name it but changed its state (a grace pin ending at a build).",
     )
     what = p.add_mutually_exclusive_group(required=True)

@@ -27,7 +27,7 @@ from kvcached.ledger.simulate import derive
 from .check import dumps, report_head
 from .tracefile import Trace, start_ledger
 
-METRICS = ("mapped", "in_use", "empty", "pinned", "unmappable", "free")
+METRICS = ("mapped", "in_use", "empty", "pinned", "releasable", "free")
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ def collect(trace: Trace, lg: Ledger, skip: int, derived: bool) -> Series:
                 empty.discard(p)
         dirty.clear()
         mapped = lg.mapped_pages
-        return mapped, mapped - len(empty), len(empty), lg.pinned_pages, len(lg.unmappable), n - mapped
+        return mapped, mapped - len(empty), len(empty), lg.pinned_pages, len(lg.releasable), n - mapped
 
     since = 0  # events since the last boundary
     for batch in trace.batches(skip, "sampling"):
@@ -155,7 +155,7 @@ def render(s: Series, buckets: int) -> str:
         ("in_use", False),
         ("empty", True),
         ("pinned", True),
-        ("unmappable", False),
+        ("releasable", False),
         ("free", False),
     ]
     table = [["builds", *(c.replace("_", " ") for c, _ in cols)]]
@@ -199,7 +199,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         parents=[common],
         help="mapped, in-use, empty, pinned and free pages over builds, as a table",
         description="Replay TRACE and sample at the end of every build the pages mapped, in use (holding a block), "
-        "empty (mapped without a block), pinned, unmappable and free (not mapped); print them summarized over "
+        "empty (mapped without a block), pinned, releasable and free (not mapped); print them summarized over "
         "rows of builds.",
     )
     p.add_argument("--rows", type=int, default=20, metavar="N", help="rows of builds (0: one per build; default 20)")

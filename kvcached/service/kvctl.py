@@ -9,7 +9,7 @@ into one line on stderr and exit status 2, never a traceback. The socket is ``--
 else ``$KVCACHED_LEDGER_SOCKET``, else the only socket in the default directory.
 
     kvctl pins [--limit N] [--json]    page, pin kind, job or request, since build, waiting workers
-    kvctl status [--json]              pages mapped / pinned / unmappable, jobs, journal, gaps
+    kvctl status [--json]              pages mapped / pinned / releasable, jobs, journal, gaps
     kvctl why PAGE [--json]            everything that keeps one page
     kvctl tail [--count N]             events as the service journals them
 """
@@ -24,14 +24,14 @@ from typing import TextIO
 
 import msgspec
 
-from ..errors import KvcachedError
-from . import live
-from .events import describe
+from kvcached.errors import KvcachedError
+from kvcached.ledger.events import describe
+from kvcached.service import live, messages
 
 _PINS_HEAD = ("page", "pin", "job or request", "since build", "waiting workers")
 
 
-def _pin_cells(row: live.PinRow) -> tuple[str, str, str, str, str]:
+def _pin_cells(row: messages.PinRow) -> tuple[str, str, str, str, str]:
     if row.kind == "job":
         who = f"job {row.job} ({row.request})"
         waiting = str(row.waiting_workers)
@@ -76,8 +76,8 @@ def _fancy(out: TextIO) -> bool:
 
 
 def cmd_pins(path: str, args: argparse.Namespace, out: TextIO) -> int:
-    reply = live.request(path, live.Request(op="pins", limit=args.limit), timeout=args.timeout)
-    assert isinstance(reply, live.PinsReply)
+    reply = live.request(path, messages.Request(op="pins", limit=args.limit), timeout=args.timeout)
+    assert isinstance(reply, messages.PinsReply)
     if args.json:
         out.write(msgspec.json.encode(reply).decode() + "\n")
         return 0
@@ -105,8 +105,8 @@ def _mib(n: int) -> str:
 
 
 def cmd_status(path: str, args: argparse.Namespace, out: TextIO) -> int:
-    s = live.request(path, live.Request(op="status"), timeout=args.timeout)
-    assert isinstance(s, live.StatusReply)
+    s = live.request(path, messages.Request(op="status"), timeout=args.timeout)
+    assert isinstance(s, messages.StatusReply)
     if args.json:
         out.write(msgspec.json.encode(s).decode() + "\n")
         return 0
@@ -118,7 +118,7 @@ def cmd_status(path: str, args: argparse.Namespace, out: TextIO) -> int:
         rows += [
             ("ledger", f"event {lg.index}, build {lg.build}, policy {lg.policy}"),
             ("pages", f"{lg.num_pages} total, {lg.mapped_pages} mapped, {lg.pinned_pages} pinned, "
-                      f"{lg.unmappable_pages} unmappable"),
+                      f"{lg.releasable_pages} releasable"),
             ("jobs", f"{lg.outstanding_jobs} outstanding"),
             ("violations", str(lg.violations)),
         ]
@@ -152,8 +152,8 @@ def cmd_status(path: str, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_why(path: str, args: argparse.Namespace, out: TextIO) -> int:
-    reply = live.request(path, live.Request(op="why", page=args.page), timeout=args.timeout)
-    assert isinstance(reply, live.WhyReply)
+    reply = live.request(path, messages.Request(op="why", page=args.page), timeout=args.timeout)
+    assert isinstance(reply, messages.WhyReply)
     out.write((msgspec.json.encode(reply.status).decode() if args.json else reply.status.describe()) + "\n")
     return 0
 

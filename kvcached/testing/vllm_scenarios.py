@@ -9,7 +9,7 @@ before the offloading pins; under ``ledger`` it waits for the pins. The seed's r
 settings are used: no cached blocks kept (``KVCACHED_MAX_CACHED_TOKENS=0``) and no reserved
 pages (``KVCACHED_MAX_RESERVED_PAGES=0``), so a freed page really goes back to the OS.
 
-``python -m kvcached.vllm_bridge.scenarios --capture traces/`` runs every scenario under both
+``python -m kvcached.testing.vllm_scenarios --capture traces/`` runs every scenario under both
 policies and writes their journals: the golden traces of ``traces/``.
 """
 
@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from ..backends.host import HostBackend
-from ..kv_cache_manager import KVCacheManager, KVGeometry
-from ..ledger.events import Header, Policy, PoolGeometry
-from ..ledger.ledger import Ledger
-from ..ledger.recorder import Recorder
-from .block_pool import PageAwarePool, install_page_aware_pool
-from .bridge import Bridge, install_bridge
-from .harness import Harness, HarnessConfig
+from kvcached.backends.host import HostBackend
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
+from kvcached.ledger.events import Header, Policy, PoolGeometry
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.recorder import Recorder
+from kvcached.testing.harness import Harness, HarnessConfig
+from kvcached.vllm_bridge.block_pool import PageAwarePool, install_page_aware_pool
+from kvcached.vllm_bridge.bridge import Bridge, install_bridge
 
 PAGE_BLOCKS = 4  # blocks per kvcached page: small, so that pages empty out in small scenarios
 

@@ -15,7 +15,7 @@ import heapq
 import random
 from collections.abc import Iterator
 
-from .events import (
+from kvcached.ledger.events import (
     BlockAlloc,
     BlockFree,
     BuildBoundary,
@@ -41,7 +41,7 @@ def header(num_blocks: int = 8192, workers: int = 1) -> Header:
         page_bytes=PAGE_BYTES,
         pools=(PoolGeometry(block_bytes=BLOCK_BYTES, num_blocks=num_blocks),),
         workers=workers,
-        meta={"producer": "kvcached.ledger.synth"},
+        meta={"producer": "kvcached.testing.synth"},
     )
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .e2e import ACTIVE_LINE, Completion, Server, rss_bytes, validation_config, validation_prompts
-from .tiny_model import build
+from kvcached.testing.e2e import ACTIVE_LINE, Completion, Server, rss_bytes, validation_config, validation_prompts
+from kvcached.testing.tiny_model import build
 
 
 def serve(model: str, out: Path, kvcached: bool, console: Console) -> tuple[list[Completion], int, str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import OUR_SPEC
+from kvcached.serve.checks import OUR_SPEC
 
 # What must not appear in a healthy server's log (the seed's no_error_signatures).
 ERROR_SIGNATURES = re.compile(
@@ -209,7 +209,7 @@ class Server:
 
     def shm_files(self) -> list[str]:
         """The server's kvcached KV files still named in /dev/shm (the key starts with its pid)."""
-        from .kv_memory import SHM_DIR
+        from kvcached.serve.kv_memory import SHM_DIR
 
         assert self.proc is not None
         prefix = f"kvcached-kv-{self.proc.pid}-"
@@ -329,7 +329,7 @@ def validation_prompts(seed: int = 0) -> list[tuple[str, int]]:
     """The seed's correctness load, scaled to the tiny model: long prompts sharing a prefix
     (several blocks of it), half of them with one output token (they finish in the step that
     writes their KV), and unrelated prompts of a few blocks; (prompt, max_tokens) pairs."""
-    from .tiny_model import corpus
+    from kvcached.testing.tiny_model import corpus
 
     shared = " ".join(corpus(60, seed=seed + 1))[:2600]
     out: list[tuple[str, int]] = []

@@ -59,9 +59,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from ..errors import ConfigError
-from .cpu_offload import KvcachedCPUOffloadingWorker, TransferPlan
-from .stand_in import ModelStandIn, Row
+from kvcached.errors import ConfigError
+from kvcached.testing.stand_in import ModelStandIn, Row
+from kvcached.vllm_bridge.cpu_offload import KvcachedCPUOffloadingWorker, TransferPlan
 
 __all__ = ["FreedBlockCopy", "Harness", "HarnessConfig", "KVMemory", "LoadCheck", "LoadMismatch", "StepRecord"]
 

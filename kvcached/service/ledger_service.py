@@ -39,14 +39,15 @@ from typing import BinaryIO, Final, Literal
 import anyio
 import msgspec
 
-from ..errors import ConfigError, JournalError, KvcachedError
-from .events import Event, Gap, Header
-from .journal import PREAMBLE_SIZE, JournalReader, JournalWriter, TornTail, encode_batch
-from .ledger import Ledger
-from .live import HandoffStatus, JournalStatus, LiveServer
-from .state import LedgerSnapshot
+from kvcached.errors import ConfigError, JournalError, KvcachedError
+from kvcached.ledger.events import Event, Gap, Header
+from kvcached.ledger.journal import PREAMBLE_SIZE, JournalReader, JournalWriter, TornTail, encode_batch
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.state import LedgerSnapshot
+from kvcached.service.live import LiveServer
+from kvcached.service.messages import HandoffStatus, JournalStatus
 
-log = logging.getLogger("kvcached.ledger.service")
+log = logging.getLogger("kvcached.service.ledger_service")
 
 _IDLE_MAX: Final = 0.1  # longest idle sleep: how stale the live view and the journal get at a trickle
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from .events import (
+from kvcached.ledger.events import (
     BlockAlloc,
     BlockFree,
     BuildBoundary,

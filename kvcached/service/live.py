@@ -22,10 +22,9 @@ import logging
 import os
 import socket
 import stat
-import struct
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import anyio.abc
@@ -33,125 +32,35 @@ import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ..errors import ConfigError, KvcachedError
-from .events import Event
-from .findings import PageStatus
+from kvcached.errors import ConfigError, KvcachedError
+from kvcached.ledger.events import Event
+from kvcached.service.messages import (
+    LEN,
+    MAX_REPLY,
+    MAX_REQUEST,
+    ErrorReply,
+    EventsReply,
+    LedgerCounts,
+    LiveSource,
+    PinRow,
+    PinsReply,
+    Reply,
+    Request,
+    StatusReply,
+    WhyReply,
+    frame,
+)
 
 if TYPE_CHECKING:
-    from .ledger import Ledger
-    from .service import LedgerService
+    from kvcached.ledger.ledger import Ledger
 
-log = logging.getLogger("kvcached.ledger.live")
+log = logging.getLogger("kvcached.service.live")
 
 SOCKET_ENV: Final = "KVCACHED_LEDGER_SOCKET"
-MAX_REQUEST: Final = 4096
-MAX_REPLY: Final = 256 << 20
-_LEN: Final = struct.Struct(">I")
 
 
 class LiveViewError(KvcachedError):
     """The live view cannot be reached or answered with an error (one line, for kvctl)."""
-
-
-# --- messages -------------------------------------------------------------------------------
-
-
-class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    op: Literal["pins", "status", "why", "tail"]
-    page: int | None = None  # for why
-    limit: int | None = None  # for pins: at most this many rows
-
-
-class PinRow(msgspec.Struct, frozen=True, array_like=True):
-    """One pin on one page; a page with three pins has three rows."""
-
-    page: int
-    kind: Literal["job", "grace", "window"]
-    since_build: int
-    job: int | None = None
-    job_kind: Literal["store", "load"] | None = None
-    request: str | None = None
-    waiting_workers: int | None = None
-    until_build: int | None = None
-
-
-class PinsReply(msgspec.Struct, frozen=True, kw_only=True, tag="pins", tag_field="type"):
-    index: int  # events applied by the replica
-    build: int
-    pinned_pages: int
-    lossy: bool  # the replica saw a gap: pins may be missing or stale
-    truncated: bool
-    rows: list[PinRow]
-
-
-class JournalStatus(msgspec.Struct, frozen=True, kw_only=True):
-    state: Literal["off", "starting", "writing", "stopped", "closed"]
-    path: str | None
-    durability: str
-    segment: int
-    segment_bytes: int
-    events_written: int  # global index after the last event written (page cache at least)
-    events_durable: int  # global index after the last event known fsynced
-    snapshot_index: int | None
-    error: str | None
-
-
-class HandoffStatus(msgspec.Struct, frozen=True, kw_only=True):
-    capacity: int
-    queued: int
-    dropped: int
-    gaps: int
-    episodes: int
-
-
-class LedgerCounts(msgspec.Struct, frozen=True, kw_only=True):
-    """The replica's view; it lags the engine by what the hand-off holds."""
-
-    policy: str
-    index: int  # events applied
-    build: int
-    num_pages: int
-    mapped_pages: int
-    pinned_pages: int
-    unmappable_pages: int
-    outstanding_jobs: int
-    violations: int
-    lossy: bool  # a gap was applied: the counts may be off by what was dropped
-    dropped_events: int  # the sum of the gaps applied
-
-
-class StatusReply(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_field="type"):
-    pid: int
-    uptime_s: float
-    events: int  # events the service has taken from the hand-off
-    ledger: LedgerCounts | None  # None: the service keeps no replica
-    journal: JournalStatus
-    handoff: HandoffStatus
-    clients: int
-    dropped_clients: int
-
-
-class WhyReply(msgspec.Struct, frozen=True, tag="why", tag_field="type"):
-    status: PageStatus
-
-
-class EventsReply(msgspec.Struct, frozen=True, tag="events", tag_field="type"):
-    first: int  # global index of the first event
-    events: msgspec.Raw  # a msgpack array of events, as in a journal frame
-
-
-class ErrorReply(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
-    message: str
-
-
-Reply = PinsReply | StatusReply | WhyReply | EventsReply | ErrorReply
-
-_encoder: Final = msgspec.msgpack.Encoder()
-
-
-def frame(message: Request | Reply) -> bytes:
-    body = _encoder.encode(message)
-    return _LEN.pack(len(body)) + body
 
 
 # --- the pins table ---------------------------------------------------------------------------
@@ -225,7 +134,7 @@ class LiveServer:
     """Serves the live view of ``service`` on ``path`` (run with ``await tg.start(server.serve)``)."""
 
     def __init__(
-        self, service: LedgerService, path: str, *, max_clients: int = 64, client_queue: int = 256,
+        self, service: LiveSource, path: str, *, max_clients: int = 64, client_queue: int = 256,
         send_timeout: float = 5.0, idle_timeout: float = 60.0,
     ) -> None:
         self.service, self.path = service, path
@@ -286,7 +195,7 @@ class LiveServer:
             body: bytes | None = None
             with anyio.move_on_after(self.idle_timeout):
                 try:
-                    (size,) = _LEN.unpack(await buffered.receive_exactly(_LEN.size))
+                    (size,) = LEN.unpack(await buffered.receive_exactly(LEN.size))
                     if size > MAX_REQUEST:
                         # Not read: whatever follows the length cannot be trusted to be a request.
                         await self._send(stream, ErrorReply(f"request of {size} bytes exceeds {MAX_REQUEST}"))
@@ -345,7 +254,7 @@ class LiveServer:
             if lg is not None:
                 counts = LedgerCounts(
                     policy=lg.policy.value, index=lg.index, build=lg.build, num_pages=lg.num_pages,
-                    mapped_pages=lg.mapped_pages, pinned_pages=lg.pinned_pages, unmappable_pages=len(lg.unmappable),
+                    mapped_pages=lg.mapped_pages, pinned_pages=lg.pinned_pages, releasable_pages=len(lg.releasable),
                     outstanding_jobs=lg.outstanding_jobs(), violations=len(lg.violations), lossy=lg.lossy,
                     dropped_events=lg.dropped_events,
                 )
@@ -427,8 +336,8 @@ def _connect(path: str, timeout: float) -> socket.socket:
 
 def _receive(sock: socket.socket, path: str) -> Reply:
     try:
-        head = _recv_exactly(sock, _LEN.size)
-        (size,) = _LEN.unpack(head)
+        head = _recv_exactly(sock, LEN.size)
+        (size,) = LEN.unpack(head)
         if size > MAX_REPLY:
             raise LiveViewError(f"{path}: a reply of {size} bytes exceeds {MAX_REPLY}")
         body = _recv_exactly(sock, size)

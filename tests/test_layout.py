@@ -1,0 +1,62 @@
+"""The layout's promises (issue 12): what a server imports, a pure ledger core, no import cycles."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+assert _spec is not None and _spec.loader is not None
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
+
+# Declared by extras, not by the package's own dependencies: a served engine must not need them.
+OPTIONAL = {"rich", "matplotlib", "psutil", "hypothesis", "pytest"}
+PURE_CORE = (
+    "kvcached.ledger",
+    "kvcached.ledger.events",
+    "kvcached.ledger.ledger",
+    "kvcached.ledger.checks",
+    "kvcached.ledger.state",
+    "kvcached.ledger.findings",
+    "kvcached.ledger.journal",
+)
+
+
+def test_a_served_engine_reaches_no_scaffolding_and_no_optional_dependency() -> None:
+    served = import_graph.reachable(import_graph.graph(), import_graph.SERVED_ROOTS)
+    assert "kvcached.serve.plugin" in served and "kvcached.vllm_bridge.bridge" in served
+    assert not {m for m in served if m.startswith("kvcached.testing")}
+    assert not {m for m in served if m == "kvreplay" or m.startswith("kvreplay.")}
+    assert not served & OPTIONAL
+
+
+def test_the_ledger_core_imports_only_msgspec_and_the_standard_library() -> None:
+    edges = import_graph.graph(typing=True)
+    core = import_graph.reachable(edges, PURE_CORE)
+    ours = {m for m in core if m in edges}
+    assert ours <= set(PURE_CORE) | {"kvcached", "kvcached.errors"}, ours - set(PURE_CORE)
+    third_party = {m for m in core if m not in edges} - set(sys.stdlib_module_names)
+    assert third_party == {"msgspec"}
+
+
+def test_the_ledger_core_stands_alone_in_a_process_without_anyio_torch_or_vllm() -> None:
+    code = (
+        "import sys; sys.modules.update(anyio=None, torch=None, vllm=None, rich=None);"
+        "import kvcached.ledger; kvcached.ledger.Ledger;"
+        "from kvcached.ledger import journal, state, checks, findings, events"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_package_has_no_import_cycle_even_through_type_checking_imports() -> None:
+    assert import_graph.cycles(import_graph.graph()) == []
+    assert import_graph.cycles(import_graph.graph(typing=True)) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_graph.cycles(edges) == [["a", "b", "c"]]
