@@ -64,7 +64,7 @@ def recorded(header: Header, inputs: Sequence[Event], policy: str) -> tuple[Head
 def scenario_trace(tmp_path: Path, name: str, policy: str) -> str:
     sc = SCENARIOS[name]()
     h, ev = recorded(sc.header, sc.events, policy)
-    return write(tmp_path / f"{name}-{policy}.kvj", h, ev)
+    return write(tmp_path / f"{name}.{policy}.kvj", h, ev)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -77,7 +77,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def synth_legacy(tmp_path_factory: pytest.TempPathFactory) -> str:
     # 5,000 inputs of the randomized workload reach its first freed-block copy (near input 2,200).
     h, ev = recorded(synth.header(), list(itertools.islice(synth.workload(7), 5000)), "legacy")
-    return write(tmp_path_factory.mktemp("synth") / "synth-legacy.kvj", h, ev, batch=512)
+    return write(tmp_path_factory.mktemp("synth") / "synth.legacy.kvj", h, ev, batch=512)
 
 
 # --- check ----------------------------------------------------------------------------------
@@ -109,14 +109,14 @@ def test_check_witness_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 def test_check_json_is_deterministic_and_has_no_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = scenario_trace(tmp_path, "sliding-window-late-store", "legacy")
+    path = scenario_trace(tmp_path, "sliding-window", "legacy")
     code, first, _ = run(capsys, "check", path, "--json")
     code2, second, _ = run(capsys, "check", path, "--json")
     assert code == code2 == 1
     assert first == second
     assert str(tmp_path) not in first
     doc = json.loads(first)
-    assert doc["trace"] == "sliding-window-late-store-legacy.kvj"
+    assert doc["trace"] == "sliding-window.legacy.kvj"
     assert doc["policy"] == "legacy" and doc["decisions"] == "recorded" and not doc["clean"]
     assert doc["violations_by_invariant"] == {"I1": len(doc["violations"])}
     assert doc["violations"][0]["chain"][-1]["step"] == "late copy"
@@ -125,7 +125,7 @@ def test_check_json_is_deterministic_and_has_no_paths(tmp_path: Path, capsys: py
 
 
 def test_check_derive_on_an_inputs_only_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    sc = SCENARIOS["last-block-next-build"]()
+    sc = SCENARIOS["finished-store-next-build"]()
     path = write(tmp_path / "inputs.kvj", msgspec.structs.replace(sc.header, policy=Policy.LEGACY), sc.events)
     code, out, _ = run(capsys, "check", path)
     assert code == 1 and "alloc-on-unmapped" in out and "--derive" in out
@@ -207,7 +207,7 @@ def test_minimize_the_randomized_workload(
     c = read_journal(out)
     assert len(c.events) <= 12, text
     assert _codes(out) == {"unmap-under-job"}
-    assert c.header.policy is Policy.LEGACY and c.header.meta["minimized_from"] == "synth-legacy.kvj"
+    assert c.header.policy is Policy.LEGACY and c.header.meta["minimized_from"] == "synth.legacy.kvj"
     assert "late copy" in text  # the witness is complete: the job's copy finishes after the unmap
 
 
@@ -318,7 +318,7 @@ def test_stats_reports_what_follows_the_last_build(tmp_path: Path, capsys: pytes
 
 
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = scenario_trace(tmp_path, "sliding-window-late-store", "legacy")
+    path = scenario_trace(tmp_path, "sliding-window", "legacy")
     png = tmp_path / "m.png"
     code, out, err = run(capsys, "plot", path, "-o", str(png))
     assert (code, err) == (0, "") and out.startswith(f"wrote {png}")
@@ -402,8 +402,8 @@ def test_demo_still_works(capsys: pytest.CaptureFixture[str]) -> None:
 def test_example_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "demo", "--save", str(tmp_path / "ex"), "finish-in-write-step")
     assert code == 0 and len(out.splitlines()) == 2
-    assert run(capsys, "check", str(tmp_path / "ex" / "finish-in-write-step-legacy.kvj"))[0] == 1
-    assert run(capsys, "check", str(tmp_path / "ex" / "finish-in-write-step-ledger.kvj"))[0] == 0
+    assert run(capsys, "check", str(tmp_path / "ex" / "finish-in-write-step.legacy.kvj"))[0] == 1
+    assert run(capsys, "check", str(tmp_path / "ex" / "finish-in-write-step.ledger.kvj"))[0] == 0
     path = str(tmp_path / "s.kvj")
     code, out, _ = run(capsys, "synth", "-o", path, "--events", "3000", "--inputs-only")
     assert code == 0 and "3,000 events" in out
@@ -435,7 +435,7 @@ def test_golden_trace(trace: Path | None, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_golden_report_is_independent_of_the_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = scenario_trace(tmp_path, "last-block-next-build", "legacy")
+    path = scenario_trace(tmp_path, "finished-store-next-build", "legacy")
     _, here, _ = run(capsys, "check", path, "--json")
     cwd = os.getcwd()
     try:
@@ -449,7 +449,7 @@ def test_golden_report_is_independent_of_the_directory(tmp_path: Path, capsys: p
 def test_decisions_and_inputs_split_is_what_minimize_reports(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = scenario_trace(tmp_path, "last-block-next-build", "legacy")
+    path = scenario_trace(tmp_path, "finished-store-next-build", "legacy")
     out = str(tmp_path / "m.kvj")
     _, text, _ = run(capsys, "minimize", path, "-o", out)
     events = read_journal(out).events

@@ -76,7 +76,7 @@ def finish_in_write_step() -> Scenario:
     )
 
 
-def last_block_next_build() -> Scenario:
+def finished_store_next_build() -> Scenario:
     """Case 2: the store of a finished request's last block is built in the next build."""
     ev: list[Event] = [
         RequestAdded(0, "req-last-block"),
@@ -94,16 +94,16 @@ def last_block_next_build() -> Scenario:
         BuildBoundary(3),
     ]
     return Scenario(
-        "last-block-next-build",
+        "finished-store-next-build",
         "the last-block store of a finished request, built in the next build",
         "When the request frees its blocks no job exists yet: the connector creates the store of "
         "block 2 in the next build_connector_meta.",
-        _header("last-block-next-build"),
+        _header("finished-store-next-build"),
         tuple(ev),
     )
 
 
-def sliding_window_late_store() -> Scenario:
+def sliding_window() -> Scenario:
     """Case 3: sliding-window blocks freed while the request runs are stored builds later."""
     ev: list[Event] = [
         RequestAdded(0, "req-window"),
@@ -129,11 +129,11 @@ def sliding_window_late_store() -> Scenario:
         BuildBoundary(5),
     ]
     return Scenario(
-        "sliding-window-late-store",
+        "sliding-window",
         "sliding-window blocks freed while running, stored builds later",
         "The connector keeps the freed window block ids and may store them in any later build, "
         "as long as vLLM has not reallocated them.",
-        _header("sliding-window-late-store", pools=2),
+        _header("sliding-window", pools=2),
         tuple(ev),
     )
 
@@ -183,7 +183,7 @@ def preempt_shrink(release_on_match: bool = True) -> Scenario:
 
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "finish-in-write-step": finish_in_write_step,
-    "last-block-next-build": last_block_next_build,
-    "sliding-window-late-store": sliding_window_late_store,
+    "finished-store-next-build": finished_store_next_build,
+    "sliding-window": sliding_window,
     "preempt-shrink": preempt_shrink,
 }

@@ -46,7 +46,7 @@ def save_scenarios(directory: str, names: list[str]) -> list[str]:
     for name in names or list(SCENARIOS):
         sc = SCENARIOS[name]()
         for policy in Policy:
-            path = os.path.join(directory, f"{name}-{policy.value}.kvj")
+            path = os.path.join(directory, f"{name}.{policy.value}.kvj")
             n = write(path, sc.header, sc.events, policy)
             lines.append(f"wrote {path}: {n} events, decisions derived under {policy.value}")
     return lines
