@@ -60,3 +60,21 @@ def test_the_package_has_no_import_cycle_even_through_type_checking_imports() ->
 def test_the_cycle_finder_finds_a_cycle() -> None:
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_graph.cycles(edges) == [["a", "b", "c"]]
+
+
+# Which parts may import each optional dependency: the ones whose extra declares it (pyproject's
+# `replay` and `testing` extras), and kvctl, which prints plain text when rich is missing.
+OPTIONAL_USERS = {
+    "rich": ("kvreplay", "kvcached.testing", "kvcached.service.kvctl"),
+    "matplotlib": ("kvreplay.plot",),
+    "psutil": ("kvcached.testing",),
+}
+
+
+def test_optional_dependencies_are_imported_only_by_the_parts_that_declare_them() -> None:
+    edges = import_graph.graph()
+    for dep, users in OPTIONAL_USERS.items():
+        importers = {m for m, deps in edges.items() if dep in deps}
+        assert importers, f"nothing imports {dep}: drop it from OPTIONAL_USERS"
+        strays = {m for m in importers if not m.startswith(users)}
+        assert not strays, f"{dep} is imported by {sorted(strays)}, which do not declare it"

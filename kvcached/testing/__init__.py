@@ -6,5 +6,6 @@ lives here drives vLLM's real ``Scheduler`` and ``OffloadingConnector`` with a m
 (``harness``, ``stand_in``, ``vllm_scenarios``), builds the seed's cases as event sequences
 (``seed_cases``) and synthetic workloads (``synth``), and starts real servers of a tiny llama
 for the end-to-end tests and the demo (``tiny_model``, ``e2e``, ``demo``). It is installed
-with the package because ``kvreplay demo``, ``kvreplay make`` and the benchmarks use it.
+with the package because ``kvreplay demo``, ``kvreplay make`` and the benchmarks use it; the
+server harness and the demo need the ``testing`` extra (psutil, rich).
 """
