@@ -1,19 +1,160 @@
 """kvcached's settings, from the environment variables upstream kvcached users already know.
 
 One frozen value, read once, so that every part (allocator, bridge, plugin) agrees and the
-startup log can print exactly what is in force. A malformed value is a ``ConfigError`` naming
-the variable, not a ``ValueError`` from deep inside.
+startup log can print exactly what is in force. Every variable is read by one function
+(``_read``) under one rule: unset, empty or blank means the default; otherwise the value must
+parse exactly as its kind (a flag, a whole count, a size in MiB, one of a few words, a path) and
+lie within its bounds, or it is refused with a ``ConfigError`` of one line naming the variable,
+the value and what to set. Nothing is truncated (``2.5`` pages is not 2), nothing non-finite or
+absurd gets through (``nan``, ``inf``, ``1e400``, a page of 1e30 MiB), and the bounds are where
+a value stops describing any machine kvcached could serve. Where a name is upstream kvcached's,
+its meaning and default are upstream's (``KVCACHED_MAX_CACHED_TOKENS``: 16,000 by default,
+negative for no cap); ``unknown_settings`` names the ``KVCACHED_*`` variables this kvcached does
+not read, as vLLM does for unknown ``VLLM_*`` ones, and says which upstream names do not apply.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from collections.abc import Mapping
+from fractions import Fraction
+from typing import Final, Literal
 
 import msgspec
 
 from .errors import ConfigError
 from .ledger.events import Policy
+
+# Upstream kvcached's settings, as read in ovg-project/kvcached (snapshot e8e64063):
+# kvcached/utils.py `_get_page_size` (KVCACHED_PAGE_SIZE_MB: whole MB, a positive multiple of 2,
+# default 2), MIN_RESERVED_PAGES (5), MAX_RESERVED_PAGES (10), MAX_CACHED_TOKENS (16000; < 0 no
+# cap, 0 nothing kept), `_default_contiguous_layout` (KVCACHED_CONTIGUOUS_LAYOUT, true on CUDA);
+# kvcached/integration/patch_base.py reads ENABLE_KVCACHED ("true" or "1"), and
+# kvcached/integration/vllm/patches.py turns tokens into blocks as max(1, tokens // block_size).
+UPSTREAM_MAX_CACHED_TOKENS: Final = 16_000
+
+_KiB4: Final = 4096
+_MiB: Final = 1 << 20
+MAX_PAGE_MIB: Final = 1024
+MAX_RESERVED: Final = 1_000_000
+MAX_TOKENS: Final = 1_000_000_000
+_LONGEST: Final = 32  # characters: no number kvcached takes is longer; beyond, it is a typo or worse
+
+_TRUE: Final = ("1", "true", "yes", "on")
+_FALSE: Final = ("0", "false", "no", "off")
+_COUNT = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+
+Kind = Literal["flag", "count", "mib", "word", "path"]
+
+
+class Var(msgspec.Struct, frozen=True, kw_only=True):
+    """One variable: how it is read, its default (as text, read by the same rule) and its bounds."""
+
+    name: str
+    kind: Kind
+    default: str
+    low: int = 0  # counts: the smallest value; sizes: the fewest bytes
+    high: int = 0  # counts: the largest value; sizes: the most bytes
+    words: tuple[str, ...] = ()
+    hint: str = ""  # what to set, after "set ..."
+
+
+ENABLE: Final = Var(
+    name="ENABLE_KVCACHED", kind="flag", default="0", hint="1 to turn kvcached on, 0 (or unset) for off"
+)
+PAGE_SIZE: Final = Var(
+    name="KVCACHED_PAGE_SIZE_MB",
+    kind="mib",
+    default="2",
+    low=_KiB4,
+    high=MAX_PAGE_MIB * _MiB,
+    # A page is what is mapped and unmapped: whole 4 KiB OS pages at the least (the host
+    # backend); the CUDA backend further needs its allocation granularity (2 MiB), and checks it.
+    hint=f"a size in MiB of whole 4 KiB units up to {MAX_PAGE_MIB}, such as 2 (the default; a multiple of 2 on GPUs)",
+)
+MIN_RESERVED: Final = Var(
+    name="KVCACHED_MIN_RESERVED_PAGES",
+    kind="count",
+    default="5",
+    high=MAX_RESERVED,
+    hint=f"a whole number of pages from 0 to {MAX_RESERVED:,}, such as 5 (the default)",
+)
+MAX_RESERVED_VAR: Final = Var(
+    name="KVCACHED_MAX_RESERVED_PAGES",
+    kind="count",
+    default="10",
+    high=MAX_RESERVED,
+    hint=f"a whole number of pages from 0 to {MAX_RESERVED:,}, such as 10 (the default)",
+)
+CONTIGUOUS: Final = Var(name="KVCACHED_CONTIGUOUS_LAYOUT", kind="flag", default="1", hint="true or false")
+BACKEND: Final = Var(
+    name="KVCACHED_BACKEND", kind="word", default="auto", words=("auto", "cuda", "host"), hint="auto, cuda or host"
+)
+POLICY: Final = Var(
+    name="KVCACHED_LEDGER_POLICY",
+    kind="word",
+    default="ledger",
+    words=tuple(p.value for p in Policy),
+    hint="'ledger' (safe) or 'legacy'",
+)
+JOURNAL: Final = Var(name="KVCACHED_LEDGER_JOURNAL", kind="path", default="", hint="a file path, or leave it unset")
+MAX_CACHED_TOKENS: Final = Var(
+    name="KVCACHED_MAX_CACHED_TOKENS",
+    kind="count",
+    default=str(UPSTREAM_MAX_CACHED_TOKENS),
+    low=-MAX_TOKENS,
+    high=MAX_TOKENS,
+    hint=f"a whole number of tokens up to {MAX_TOKENS:,} ({UPSTREAM_MAX_CACHED_TOKENS} by default, "
+    "0 to keep none, -1 for no cap)",
+)
+SETTINGS: Final = (
+    ENABLE,
+    PAGE_SIZE,
+    MIN_RESERVED,
+    MAX_RESERVED_VAR,
+    CONTIGUOUS,
+    BACKEND,
+    POLICY,
+    JOURNAL,
+    MAX_CACHED_TOKENS,
+)
+
+# Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
+# child processes (serve/kv_memory.py), and the build's and the tests' switches.
+OTHER_NAMES: Final = frozenset(
+    {
+        "KVCACHED_LEDGER_SOCKET",
+        "KVCACHED_ENGINE_KEY",
+        "KVCACHED_MYPYC",
+        "KVCACHED_EXPECT_COMPILED",
+        "KVCACHED_REQUIRE_GPU",
+        "KVCACHED_CAPTURE_DIR",
+        "KVCACHED_WRITE_FIXTURE",
+    }
+)
+
+# Upstream kvcached's names that this kvcached does not read (same snapshot; the three meminfo
+# and engine-core ones from earlier versions of kvcached/utils.py), and why.
+_NO_IPC = "this kvcached shares pages with its one worker without an IPC segment"
+UPSTREAM_ONLY: Final = {
+    "KVCACHED_IPC_NAME": _NO_IPC,
+    "KVCACHED_IPC_TIMEOUT": _NO_IPC,
+    "KVCACHED_AUTOPATCH": "here ENABLE_KVCACHED=1 alone turns the vLLM plugin on",
+    "KVCACHED_GPU_UTILIZATION": "vLLM sizes the KV cache here (--gpu-memory-utilization, --kv-cache-memory-bytes)",
+    "KVCACHED_PAGE_PREALLOC_ENABLED": "KVCACHED_MIN_RESERVED_PAGES and KVCACHED_MAX_RESERVED_PAGES set the reserve",
+    "KVCACHED_MAX_CACHED_BLOCKS": "use KVCACHED_MAX_CACHED_TOKENS (upstream reads only that one too)",
+    "KVCACHED_SANITY_CHECK": "the ledger checks its invariants on every event; replay a journal with kvreplay check",
+    "KVCACHED_NIXL_CONTIGUOUS_LAYOUT": "NIXL is not supported here (OffloadingConnector is the only KV connector)",
+    "KVCACHED_LOG_LEVEL": "kvcached logs through vLLM's logger here (VLLM_LOGGING_LEVEL)",
+    "KVCACHED_LOG_COLOR": "kvcached logs through vLLM's logger here",
+    "KVCACHED_LOG_COLOR_CODE": "kvcached logs through vLLM's logger here",
+    "KVCACHED_ENGINECORE_NO_CUDA": "the engine core reaches the worker's pages through kvcached's backend here",
+    "KVCACHED_MEMINFO_QUERY_TIMEOUT": "there is no memory-info service here",
+    "KVCACHED_MEMINFO_REFRESH_INTERVAL": "there is no memory-info service here",
+}
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,67 +166,124 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     backend: str = "auto"  # KVCACHED_BACKEND: auto | cuda | host
     policy: Policy = Policy.LEDGER  # KVCACHED_LEDGER_POLICY
     journal: str | None = None  # KVCACHED_LEDGER_JOURNAL
-    max_cached_tokens: int | None = None  # KVCACHED_MAX_CACHED_TOKENS: prefix-cached tokens kept; None: no cap
+    # KVCACHED_MAX_CACHED_TOKENS: prefix-cached tokens kept on pages (upstream's default); None: no cap
+    max_cached_tokens: int | None = UPSTREAM_MAX_CACHED_TOKENS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         e = os.environ if env is None else env
-        try:
-            policy = Policy(e.get("KVCACHED_LEDGER_POLICY", "ledger").strip().lower())
-        except ValueError:
-            raise ConfigError(
-                f"KVCACHED_LEDGER_POLICY={e['KVCACHED_LEDGER_POLICY']!r}: use 'ledger' (safe) or 'legacy'"
-            ) from None
-        mb = _number(e, "KVCACHED_PAGE_SIZE_MB", 2.0)
-        page_bytes = int(mb * (1 << 20))
-        if page_bytes <= 0 or page_bytes % 4096:
-            raise ConfigError(f"KVCACHED_PAGE_SIZE_MB={mb}: use a positive size in whole 4 KiB units (2 on GPUs)")
+        tokens = _count(e, MAX_CACHED_TOKENS)
         s = cls(
-            enabled=_flag(e, "ENABLE_KVCACHED", False),
-            page_bytes=page_bytes,
-            min_reserved_pages=int(_number(e, "KVCACHED_MIN_RESERVED_PAGES", 5)),
-            max_reserved_pages=int(_number(e, "KVCACHED_MAX_RESERVED_PAGES", 10)),
-            contiguous_layout=_flag(e, "KVCACHED_CONTIGUOUS_LAYOUT", True),
-            backend=e.get("KVCACHED_BACKEND", "auto").strip().lower(),
-            policy=policy,
-            journal=e.get("KVCACHED_LEDGER_JOURNAL") or None,
-            max_cached_tokens=_cap(e, "KVCACHED_MAX_CACHED_TOKENS"),
+            enabled=_flag(e, ENABLE),
+            page_bytes=_count(e, PAGE_SIZE),
+            min_reserved_pages=_count(e, MIN_RESERVED),
+            max_reserved_pages=_count(e, MAX_RESERVED_VAR),
+            contiguous_layout=_flag(e, CONTIGUOUS),
+            backend=_text(e, BACKEND),
+            policy=Policy(_text(e, POLICY)),
+            journal=_text(e, JOURNAL) or None,
+            max_cached_tokens=None if tokens < 0 else tokens,  # upstream: negative is no cap
         )
-        if s.backend not in ("auto", "cuda", "host"):
-            raise ConfigError(f"KVCACHED_BACKEND={s.backend!r}: use auto, cuda or host")
         if s.min_reserved_pages > s.max_reserved_pages:
             raise ConfigError(
                 f"KVCACHED_MIN_RESERVED_PAGES={s.min_reserved_pages} is above "
-                f"KVCACHED_MAX_RESERVED_PAGES={s.max_reserved_pages}"
+                f"KVCACHED_MAX_RESERVED_PAGES={s.max_reserved_pages}; set the minimum at most the maximum"
             )
         return s
 
-
-def _cap(env: Mapping[str, str], name: str) -> int | None:
-    """A count that is unlimited (None) when the variable is unset or empty."""
-    return int(_number(env, name, 0)) if env.get(name, "").strip() else None
-
-
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    v = raw.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r}: use 1/true or 0/false")
+    def max_cached_blocks(self, block_size: int) -> int | None:
+        """The cap in blocks of ``block_size`` tokens, as upstream counts it: a positive number
+        of tokens below one block keeps one block (upstream floors at one, so that a small
+        cap does not silently mean none); None is no cap."""
+        t = self.max_cached_tokens
+        if t is None or t == 0:
+            return t
+        return max(1, t // block_size)
 
 
-def _number(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r}: not a number") from None
-    if v < 0:
-        raise ConfigError(f"{name}={raw!r}: must not be negative")
+def _show(raw: str) -> str:
+    """The value as the refusal shows it: quoted, escaped onto one line, and not a page long."""
+    return repr(raw) if len(raw) <= 40 else repr(raw[:40]) + "..."
+
+
+def _read(env: Mapping[str, str], var: Var) -> bool | int | str:
+    """The one rule: blank is the default; else the exact value of ``var``'s kind within its
+    bounds, or a one-line ``ConfigError``: the variable, the value, what is wrong, what to set."""
+    raw = env.get(var.name, "")
+    text = raw.strip()
+    if not text:
+        text = var.default
+    elif var.kind == "path":
+        return raw  # a path is the user's, spaces and all
+    refusal = ""
+    if len(text) > _LONGEST and var.kind != "path":
+        refusal = "too long"
+    elif var.kind == "flag":
+        low = text.lower()
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        refusal = "not a flag"
+    elif var.kind == "word":
+        low = text.lower()
+        if low in var.words:
+            return low
+        refusal = "not one of " + ", ".join(var.words)
+    elif var.kind == "count":
+        if not _COUNT.fullmatch(text):
+            refusal = "not a whole number"
+        elif not var.low <= (n := int(text)) <= var.high:
+            refusal = "out of range"
+        else:
+            return n
+    elif var.kind == "mib":
+        if not _DECIMAL.fullmatch(text):
+            refusal = "not a size in MiB (plain decimal digits)"
+        else:
+            size = Fraction(text) * _MiB
+            if not var.low <= size <= var.high:
+                refusal = "out of range"
+            elif size.denominator != 1 or size.numerator % _KiB4:
+                refusal = "not a whole number of 4 KiB units"
+            else:
+                return size.numerator
+    else:  # path
+        return text
+    raise ConfigError(f"{var.name}={_show(raw)}: {refusal}; set {var.hint}")
+
+
+def _flag(env: Mapping[str, str], var: Var) -> bool:
+    v = _read(env, var)
+    assert isinstance(v, bool)
     return v
+
+
+def _count(env: Mapping[str, str], var: Var) -> int:
+    """A count, or a size in bytes."""
+    v = _read(env, var)
+    assert isinstance(v, int) and not isinstance(v, bool)
+    return v
+
+
+def _text(env: Mapping[str, str], var: Var) -> str:
+    v = _read(env, var)
+    assert isinstance(v, str)
+    return v
+
+
+def unknown_settings(env: Mapping[str, str] | None = None) -> list[str]:
+    """One warning (one line, without a prefix) per ``KVCACHED_*`` variable this kvcached does not read."""
+    e = os.environ if env is None else env
+    known = {v.name for v in SETTINGS} | OTHER_NAMES
+    lines = []
+    for name in sorted(n for n in e if n.startswith("KVCACHED_") and n not in known):
+        shown = name if re.fullmatch(r"[A-Z0-9_]+", name) else repr(name)
+        why = UPSTREAM_ONLY.get(name)
+        if why is not None:
+            lines.append(f"{shown} is upstream kvcached's and does not apply here ({why}); ignored")
+            continue
+        # Compared without the prefix every candidate shares, which would make anything look close.
+        tails = {k.removeprefix("KVCACHED_"): k for k in sorted(known)}
+        close = difflib.get_close_matches(name.removeprefix("KVCACHED_"), list(tails), n=1, cutoff=0.75)
+        guess = f"; did you mean {tails[close[0]]}?" if close else ""
+        lines.append(f"unknown kvcached environment variable {shown} (ignored){guess}")
+    return lines

@@ -2,23 +2,30 @@
 
 They run where vLLM builds its configuration (the API server, before any engine process
 starts), so a refusal costs a second, not a model load, and reads as one line instead of a
-worker's traceback. What they accept is what the tests cover: vLLM's CPU build 0.32.0 and vLLM
-0.33.0; no KV connector, or ``OffloadingConnector`` as the only one; one worker (tensor, pipeline
-and data parallel sizes of 1), run by vLLM's multiprocessing executor on the CPU build (whose
-worker shares host memory with the engine core) or its uniprocess executor (on a GPU, where the
-CUDA pages live in the worker's process); the CUDA backend only where a GPU is visible. Checks
-that need the KV cache layout (a block that does not divide a page, an interleaved layout) can
-only run once vLLM has sized the cache; they live in ``kv_memory.plan`` and fail the worker with
-the same kind of line.
+worker's traceback. There too, as vLLM's ``validate_environ`` does for unknown ``VLLM_*``
+variables, each ``KVCACHED_*`` variable kvcached does not read gets one warning line: a
+misspelt setting would otherwise go unnoticed, its default in force. What they accept is what
+the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
+``OffloadingConnector`` as the only one; one worker (tensor, pipeline and data parallel sizes of
+1), run by vLLM's multiprocessing executor on the CPU build (whose worker shares host memory with
+the engine core) or its uniprocess executor (on a GPU, where the CUDA pages live in the worker's
+process); the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
+block that does not divide a page, an interleaved layout) can only run once vLLM has sized the
+cache; they live in ``kv_memory.plan`` and fail the worker with the same kind of line.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..backends import cuda_visible
 from ..errors import ConfigError
-from ..settings import Settings
+from ..settings import Settings, unknown_settings
+
+log = logging.getLogger("vllm.kvcached")  # the plugin's logger: vLLM's format and handlers
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 SUPPORTED_EXECUTORS = ("mp", "uni")
@@ -34,8 +41,13 @@ def check_vllm_version(version: str) -> None:
         )
 
 
-def check_config(vllm_config: Any, settings: Settings, *, version: str, on_cpu: bool) -> None:
-    """Raise ``ConfigError`` (one line, what to change) for a setup kvcached does not serve."""
+def check_config(
+    vllm_config: Any, settings: Settings, *, version: str, on_cpu: bool, env: Mapping[str, str] | None = None
+) -> None:
+    """Raise ``ConfigError`` (one line, what to change) for a setup kvcached does not serve; warn,
+    one line each, of the ``KVCACHED_*`` variables in ``env`` (the environment) it does not read."""
+    for warning in unknown_settings(os.environ if env is None else env):
+        log.warning("[kvcached] %s", warning)
     check_vllm_version(version)
     par = vllm_config.parallel_config
     sizes = {

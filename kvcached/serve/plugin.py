@@ -63,7 +63,7 @@ def _bare(e: BaseException) -> str:
 
 def _refuse(message: str) -> Any:
     line = message if message.startswith("kvcached") else f"kvcached: {message}"
-    log.error("[kvcached] refused: %s", line.removeprefix("kvcached: "))
+    # SystemExit prints its message on stderr: that is the one line (a log line as well was two).
     raise SystemExit(line)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvcached.errors import ConfigError
 from kvcached.serve import checks
-from kvcached.settings import Settings
+from kvcached.settings import SETTINGS, Settings
 from kvcached.testing.e2e import free_port
 from kvcached.testing.tiny_model import build
 
@@ -90,12 +90,32 @@ def test_parallel_sizes_are_refused(model: str) -> None:
         checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
 
 
+def test_unknown_kvcached_variables_get_one_warning_line_each(model: str) -> None:
+    import logging
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.kvcached")  # vLLM's logger does not propagate to caplog's
+    logger.addHandler(handler)
+    try:
+        env = {"KVCACHED_PAGESIZE_MB": "4", "KVCACHED_IPC_NAME": "x", "KVCACHED_PAGE_SIZE_MB": "2", "PATH": "/bin"}
+        on = Settings.from_env({"ENABLE_KVCACHED": "1"})
+        checks.check_config(_config(model), on, version="0.32.0", on_cpu=True, env=env)
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 2 and all("\n" not in line for line in seen), seen
+    assert "KVCACHED_PAGESIZE_MB (ignored); did you mean KVCACHED_PAGE_SIZE_MB?" in seen[1]
+    assert "KVCACHED_IPC_NAME is upstream kvcached's and does not apply here" in seen[0]
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize(
     ("env", "extra", "needle"),
     [
         ({"KVCACHED_LEDGER_POLICY": "optimistic"}, {**OURS}, "KVCACHED_LEDGER_POLICY='optimistic'"),
-        ({}, {**OURS, "spec_name": "CPUOffloadingSpec"}, "CPUOffloadingSpec needs CUDA"),
+        ({"KVCACHED_PAGE_SIZE_MB": "nan"}, {**OURS}, "KVCACHED_PAGE_SIZE_MB='nan'"),  # was a traceback
+        ({"KVCACHED_PAGESIZE_MB": "4"}, {**OURS, "spec_name": "CPUOffloadingSpec"}, "CPUOffloadingSpec needs CUDA"),
     ],
 )
 def test_server_refuses_in_one_line(
@@ -124,5 +144,7 @@ def test_server_refuses_in_one_line(
     assert "Traceback" not in r.stderr + r.stdout, (r.stderr + r.stdout)[-3000:]
     assert "EngineCore" not in r.stderr + r.stdout  # refused before an engine process started
     lines = [line for line in (r.stderr + r.stdout).splitlines() if needle in line]
-    assert lines, (r.stderr + r.stdout)[-3000:]
+    assert len(lines) == 1, (r.stderr + r.stdout)[-3000:]  # one line per refusal, not a log line as well
+    for name in env.keys() - {v.name for v in SETTINGS}:  # a misspelt name: one warning line
+        assert (r.stderr + r.stdout).count(f"variable {name} (ignored)") == 1, (r.stderr + r.stdout)[-3000:]
     assert r.stderr.rstrip().splitlines()[-1].startswith("kvcached"), r.stderr[-500:]
