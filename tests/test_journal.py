@@ -8,8 +8,11 @@ pair of reader and writer.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import io
+import os
 import struct
+import sys
 import tracemalloc
 import zlib
 from collections import deque
@@ -60,6 +63,17 @@ from kvcached.ledger.journal import (
     encode_batch,
     read_journal,
 )
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.segments import (
+    RotatedJournal,
+    read_snapshot,
+    segment_header,
+    segment_path,
+    write_snapshot,
+)
+from kvcached.ledger.state import LedgerSnapshot
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HEADER = Header(
     page_bytes=2 * 1024 * 1024,
@@ -495,3 +509,161 @@ def test_worked_example_in_the_docs_is_what_the_writer_writes() -> None:
         [JobBuilt(0, JobKind.STORE, 0, ((1000, 1001),), 1), JobReported(0, 1), BlockFree(0, (1000, 1001))],
     ]
     assert journal_bytes(batches, header) == documented
+
+
+# --- rotated journals and snapshots (kvcached.ledger.segments) --------------------------------
+
+
+def _events(n: int) -> list[Event]:
+    return [BuildBoundary(build=i) for i in range(n)]
+
+
+def write_segments(base: Path, sizes: list[int], header: Header = HEADER, first: int = 0) -> list[Event]:
+    """Segments of ``sizes`` events, named and headed as the journal service does."""
+    events = _events(first + sum(sizes))
+    at = first
+    for k, n in enumerate(sizes):
+        with JournalWriter.create(segment_path(str(base), k), segment_header(header, k, at)) as w:
+            for i in range(at, at + n, 7):
+                w.append(events[i : min(i + 7, at + n)])
+        at += n
+    return events[first:]
+
+
+def test_a_rotated_journal_is_read_in_order_from_any_of_its_segments(tmp_path: Path) -> None:
+    base = tmp_path / "j.kvj"
+    events = write_segments(base, [30, 0, 25, 40])
+    (tmp_path / "j.kvj.keep").write_bytes(b"not a segment")  # names that are no segment's are left alone
+    (tmp_path / "j.kvj.01").write_bytes(b"not a segment either")
+    for k, named in ((0, base), (2, tmp_path / "j.kvj.2"), (3, tmp_path / "j.kvj.3")):
+        journal = RotatedJournal(named)
+        assert journal.base == str(base) and journal.given == k
+        assert journal.paths == [segment_path(str(base), k) for k in range(4)]
+        assert list(journal.events()) == events and journal.torn_tail is None
+        assert [(s.number, n) for s, n in journal.read] == [(0, 30), (1, 0), (2, 25), (3, 40)]
+    journal = RotatedJournal(base)
+    assert list(journal.events(50)) == events[50:]
+    assert [s.number for s, _ in journal.read] == [2, 3]  # segments before event 50: not even opened
+    assert journal.events_read == 95
+    with pytest.raises(JournalError, match="ends at event 95; reading was to start at event 96"):
+        list(RotatedJournal(base).events(96))
+
+
+def test_a_plain_journal_reads_nothing_beside_it(tmp_path: Path) -> None:
+    path = tmp_path / "t.kvj"
+    path.write_bytes(GOOD)
+    (tmp_path / "t.kvj.1").write_bytes(b"garbage")
+    journal = RotatedJournal(path)
+    assert journal.given is None and journal.paths == [str(path)]
+    assert list(journal.events()) == ALL_EVENTS
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("missing", "segment 1 of the rotated journal .* is missing"),
+        ("renumbered", "its header says segment number 5, not 1"),
+        ("other run", "geometry or policy differ"),
+        ("gap", "segment 2 starts at event 21, but the one before ends at event 20"),
+        ("torn middle", "segment 2 follows .*j.kvj.1, which ends in a torn frame"),
+        ("bad meta", "header meta first_event='x' is not a number"),
+    ],
+)
+def test_a_damaged_rotated_journal_names_the_segment(tmp_path: Path, damage: str, message: str) -> None:
+    base = tmp_path / "j.kvj"
+    write_segments(base, [10, 10, 10])
+    one = segment_path(str(base), 1)
+    if damage == "missing":
+        os.unlink(one)
+    elif damage in ("renumbered", "other run", "bad meta"):
+        h = segment_header(HEADER, 1, 10)
+        if damage == "renumbered":
+            h = msgspec.structs.replace(h, meta={**h.meta, "segment": "5"})
+        elif damage == "other run":
+            h = msgspec.structs.replace(h, workers=7)
+        else:
+            h = msgspec.structs.replace(h, meta={**h.meta, "first_event": "x"})
+        with JournalWriter.create(one, h) as w:
+            w.append(_events(10))
+    elif damage == "gap":
+        with JournalWriter.create(segment_path(str(base), 2), segment_header(HEADER, 2, 21)) as w:
+            w.append(_events(10))
+    else:
+        data = Path(one).read_bytes()
+        Path(one).write_bytes(data[:-3])
+    with pytest.raises(JournalError, match=message):
+        list(RotatedJournal(segment_path(str(base), 2)).events())
+
+
+def test_a_journal_that_starts_mid_run_is_read_only_from_its_first_event(tmp_path: Path) -> None:
+    base = tmp_path / "late.kvj"
+    events = write_segments(base, [10, 10], first=500)
+    journal = RotatedJournal(base)
+    assert journal.first_event == 500 and list(journal.events()) == events
+    with pytest.raises(JournalError, match="starts at event 500"):
+        list(RotatedJournal(base).events(0))
+    copy = tmp_path / "copy.kvj"  # a segment copied away from its siblings is read alone
+    copy.write_bytes(Path(f"{base}.1").read_bytes())
+    alone = RotatedJournal(copy)
+    assert alone.standalone and alone.given == 1 and list(alone.events()) == events[10:]
+
+
+def _snapshot(n: int = 3) -> LedgerSnapshot:
+    lg = Ledger(HEADER)
+    lg.apply_all(_events(n))
+    return lg.snapshot()
+
+
+def test_one_snapshot_writer_and_reader(tmp_path: Path) -> None:
+    path = str(tmp_path / "j.snap")
+    first = write_snapshot(path, _snapshot(2), sync=True)
+    assert read_snapshot(path) == _snapshot(2)
+    assert Path(path).read_bytes() == msgspec.msgpack.encode(_snapshot(2))
+    second = write_snapshot(path, _snapshot(3), replacing=first)  # replaces its own file
+    assert read_snapshot(path).index == 3 and second != first
+    with pytest.raises(FileExistsError):
+        write_snapshot(path, _snapshot(4))  # replacing=None: never over an existing file
+    with pytest.raises(FileExistsError, match="no longer the file"):
+        write_snapshot(path, _snapshot(4), replacing=first)  # not the file it made last
+    assert read_snapshot(path).index == 3
+    assert os.listdir(tmp_path) == ["j.snap"]  # no temporary file left behind, even on failure
+
+
+def test_the_snapshot_writer_never_writes_through_a_planted_name(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = str(tmp_path / "j.snap")
+    os.symlink(victim, path)
+    with pytest.raises(FileExistsError):
+        write_snapshot(path, _snapshot())
+    # The old writer's fixed temporary name, planted: never opened.
+    os.symlink(victim, f"{path}.tmp")
+    os.unlink(path)
+    write_snapshot(path, _snapshot())
+    assert victim.read_bytes() == b"precious" and read_snapshot(path).index == 3
+
+
+def test_the_snapshot_reader_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.snap"
+    os.mkfifo(fifo)  # no writer: an open() without O_NONBLOCK would wait forever
+    with pytest.raises(JournalError, match="a FIFO, not a regular file"):
+        read_snapshot(fifo)
+    with pytest.raises(JournalError, match="a character device, not a regular file"):
+        read_snapshot("/dev/zero")  # would read without end
+    (tmp_path / "junk.snap").write_bytes(b"\x92\x01\x02")
+    with pytest.raises(JournalError, match="not a ledger snapshot"):
+        read_snapshot(tmp_path / "junk.snap")
+    with pytest.raises(JournalError, match="cannot read the snapshot: No such file"):
+        read_snapshot(tmp_path / "none.snap")
+
+
+def test_segments_and_files_are_part_of_the_pure_core() -> None:
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    assert spec is not None and spec.loader is not None
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    edges = graph.graph(typing=True)
+    reached = graph.reachable(edges, ("kvcached.ledger.segments", "kvcached.ledger.files"))
+    ours = {m for m in reached if m in edges}
+    assert all(m in ("kvcached", "kvcached.errors") or m.startswith("kvcached.ledger") for m in ours), ours
+    assert {m for m in reached if m not in edges} - set(sys.stdlib_module_names) == {"msgspec"}

@@ -13,8 +13,10 @@ import itertools
 import json
 import os
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -37,8 +39,10 @@ from kvcached.ledger.events import (
 )
 from kvcached.ledger.journal import JournalWriter, read_journal
 from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.segments import read_snapshot, segment_header, segment_path
 from kvcached.ledger.simulate import derive
 from kvcached.ledger.state import LedgerSnapshot
+from kvcached.service.ledger_service import BackgroundService, ServiceConfig
 from kvcached.testing import synth
 from kvcached.testing.seed_cases import SCENARIOS, preempt_shrink
 from kvreplay import tracefile
@@ -356,7 +360,7 @@ def test_snapshot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert run(capsys, "snapshot", path, "--at", "10", "-o", snap)[0] == 0
     cases = [
         (["check", other, "--from-snapshot", snap], "another geometry"),
-        (["check", path, "--from-snapshot", other], "not a kvreplay snapshot"),
+        (["check", path, "--from-snapshot", other], "not a ledger snapshot"),
         (["check", path, "--from-snapshot", str(tmp_path / "missing")], "cannot read the snapshot"),
         (["check", path, "--from-snapshot", snap, "--policy", "ledger"], "not ledger"),
         (["check", path, "--from-snapshot", snap, "--derive"], "--derive"),
@@ -457,3 +461,175 @@ def test_decisions_and_inputs_split_is_what_minimize_reports(
     assert f"({len(events) - n_dec} inputs, {n_dec} decisions)" in text
     assert all(type(e) is not BlockFree or e.blocks for e in events)
     assert struct.unpack("<H", Path(out).read_bytes()[8:10]) == (1,)
+
+
+# --- rotated journals: the service's segments are one trace -----------------------------------
+
+
+def _service_journal(path: Path, header: Header, events: Sequence[Event], **cfg: Any) -> list[str]:
+    """Journals ``events`` through the real ledger service, rotating small; returns its files."""
+    config = ServiceConfig(journal=str(path), batch_events=97, rotate_bytes=16 << 10, **cfg)
+    with BackgroundService.start(header, config) as bg:
+        for i, ev in enumerate(events):
+            bg.producer.put(ev)
+            if i % 400 == 0:
+                time.sleep(0.001)  # let the writer interleave, as scheduler steps would
+    assert bg.producer.dropped == 0
+    return sorted(n for n in os.listdir(path.parent) if n.startswith(path.name) and not n.endswith(".snap"))
+
+
+@pytest.fixture(scope="module")
+def rotated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[Event]]:
+    """synth-legacy through the service, in segments of 16 KiB, and the same events in one file."""
+    h, ev = recorded(synth.header(), list(itertools.islice(synth.workload(7), 5000)), "legacy")
+    folder = tmp_path_factory.mktemp("rotated")
+    files = _service_journal(folder / "run.kvj", h, ev, replica=True, snapshot_every=2000)
+    assert len(files) >= 3, files
+    return folder / "run.kvj", write(folder / "whole.kvj", h, ev, batch=97), ev
+
+
+def _without(doc: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k not in keys}
+
+
+def test_check_reads_every_event_of_every_segment_of_a_rotated_journal(
+    rotated: tuple[Path, str, list[Event]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, whole, events = rotated
+    files = sorted(n for n in os.listdir(path.parent) if n.startswith("run.kvj") and not n.endswith(".snap"))
+    _, want, _ = run(capsys, "check", whole, "--json")
+    code, out, err = run(capsys, "check", str(path), "--json")
+    got = json.loads(out)
+    assert (code, err) == (1, "")
+    assert got["summary"]["events"] == len(events)
+    # Everything one file of the same events gives, violations included (the first one lies past
+    # the first segment: a reader of P alone would call the run clean).
+    assert _without(got, "trace", "segments") == _without(json.loads(want), "trace")
+    segs = got["segments"]
+    assert sorted(s["file"] for s in segs) == files and [s["segment"] for s in segs] == list(range(len(files)))
+    assert sum(s["events"] for s in segs) == len(events) and all(s["events"] for s in segs)
+    assert [s["first_event"] for s in segs] == list(itertools.accumulate([0] + [s["events"] for s in segs[:-1]]))
+    assert got["violations"][0]["index"] >= segs[1]["first_event"]
+    code, text, _ = run(capsys, "check", str(path))
+    assert code == 1 and text.startswith(f"{path}: {len(events):,} events, ")
+    n = len(files)
+    assert text.splitlines()[1] == f"{path}: a journal of {n} segment(s) ({segtext(path, n)}); read all"
+
+
+def segtext(path: Path, n: int) -> str:
+    names = [str(path)] + [f"{path}.{k}" for k in range(1, n)]
+    return ", ".join(names) if n <= 4 else f"{names[0]}, {names[1]} ... {names[-2]}, {names[-1]}"
+
+
+def test_check_of_one_segment_reads_the_journal_it_belongs_to_and_says_so(
+    rotated: tuple[Path, str, list[Event]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _, events = rotated
+    _, whole, _ = run(capsys, "check", str(path), "--json")
+    one = f"{path}.2"
+    code, out, err = run(capsys, "check", one, "--json")
+    assert code == 1 and err == ""
+    assert _without(json.loads(out), "trace") == _without(json.loads(whole), "trace")
+    _, text, _ = run(capsys, "check", one)
+    n = len(json.loads(whole)["segments"])
+    assert text.splitlines()[1] == (
+        f"{one}: segment 2 of the rotated journal {path}, which has {n} segment(s) ({segtext(path, n)}); read all"
+    )
+    # The other subcommands say it on stderr, and read the same events.
+    code, out, err = run(capsys, "stats", one, "--json")
+    assert code == 0 and err.startswith(f"kvreplay: note: {one}: segment 2 of the rotated journal {path}")
+    code, out, err = run(capsys, "compare", str(path), "--json")
+    assert code == 0 and json.loads(out)["events"] == len(events)
+
+
+def test_every_replaying_subcommand_reads_past_the_first_segment(
+    rotated: tuple[Path, str, list[Event]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, whole, events = rotated
+    for argv in (["stats", "--json"], ["compare", "--json"], ["show", "--page", "3", "--limit", "0"]):
+        _, want, _ = run(capsys, argv[0], whole, *argv[1:])
+        code, got, _ = run(capsys, argv[0], str(path), *argv[1:])
+        assert code == 0 and got.replace(str(path), "T").replace('"run.kvj"', '"T"') == want.replace(
+            whole, "T"
+        ).replace('"whole.kvj"', '"T"'), argv
+    at = len(events) - 10  # in the last segment
+    code, out, _ = run(capsys, "snapshot", str(path), "--at", str(at), "-o", str(tmp_path / "late.snap"))
+    assert code == 0 and f"first {at:,} events" in out
+    code, out, _ = run(capsys, "minimize", str(path), "-o", str(tmp_path / "w.kvj"), "--max-seconds", "20")
+    assert code == 0 and "unmap-under-job" in out
+    code, out, _ = run(capsys, "plot", str(path), "-o", str(tmp_path / "p.png"))
+    assert code == 0 and "violation(s)" in out
+
+
+def test_the_services_snapshot_starts_kvreplay_and_earlier_segments_stay_unread(
+    rotated: tuple[Path, str, list[Event]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _, events = rotated
+    snap = f"{path}.snap"
+    index = read_snapshot(snap).index
+    assert 0 < index < len(events)
+    _, full, _ = run(capsys, "check", str(path), "--json")
+    code, out, _ = run(capsys, "check", str(path), "--json", "--from-snapshot", snap)
+    got = json.loads(out)
+    assert code == 1 and got.pop("from_snapshot") == index
+    want = json.loads(full)
+    want.pop("from_snapshot")
+    unread = [s for s in got.pop("segments") if s["events"] is None]
+    want.pop("segments")
+    assert got == want
+    assert unread and all(s["first_event"] < index for s in unread)
+    _, text, _ = run(capsys, "check", str(path), "--from-snapshot", snap)
+    assert "; unread, as they hold only events before the snapshot: " in text.splitlines()[1]
+
+
+def _segments_of(tmp_path: Path, sizes: Sequence[int]) -> tuple[str, list[Event]]:
+    """A rotated journal written segment by segment, as the service names and heads them."""
+    h, ev = recorded(synth.header(), list(itertools.islice(synth.workload(3), sum(sizes))), "ledger")
+    base = str(tmp_path / "j.kvj")
+    at = 0
+    for k, n in enumerate(sizes):
+        write(Path(segment_path(base, k)), segment_header(h, k, at), ev[at : at + n], batch=50)
+        at += n
+    return base, ev[:at]
+
+
+def test_a_rotated_journal_with_a_missing_or_torn_segment_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base, _ = _segments_of(tmp_path, [300, 300, 300, 300])
+    code, out, err = run(capsys, "check", base, "--json")
+    assert code == 0 and json.loads(out)["summary"]["events"] == 1200
+    data = Path(f"{base}.1").read_bytes()
+    Path(f"{base}.1").write_bytes(data[:-5])  # a torn frame, but not in the last segment
+    code, out, err = run(capsys, "check", base)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"{base}.2: at byte 16: segment 2 follows {base}.1, which ends in a torn frame" in err
+    Path(f"{base}.1").write_bytes(data)
+    os.unlink(f"{base}.2")
+    code, out, err = run(capsys, "check", f"{base}.3")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"segment 2 of the rotated journal {base} is missing" in err
+
+
+def test_a_journal_that_starts_mid_run_needs_its_snapshot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    h, ev = recorded(synth.header(), list(itertools.islice(synth.workload(3), 3000)), "ledger")
+    live = Ledger(h)
+    live.apply_all(ev[:1000])
+    path = tmp_path / "late.kvj"
+    config = ServiceConfig(journal=str(path), rotate_bytes=8 << 10, snapshot_every=0)
+    with BackgroundService.start(h, config, start=live.snapshot()) as bg:
+        for e in ev[1000:]:
+            bg.producer.put(e)
+    code, out, err = run(capsys, "check", str(path))
+    assert code == 2 and out == ""
+    assert err == (
+        f"kvreplay: {path}: the journal starts at event 1,000 (its service started from a snapshot); "
+        f"replay it with --from-snapshot {path}.snap\n"
+    )
+    code, out, err = run(capsys, "check", str(path), "--from-snapshot", f"{path}.snap", "--json")
+    whole = write(tmp_path / "whole.kvj", h, ev)
+    _, want, _ = run(capsys, "check", whole, "--json")
+    got = json.loads(out)
+    assert code == 0 and got["from_snapshot"] == 1000 and got["summary"] == json.loads(want)["summary"]
+    code, _, err = run(capsys, "compare", str(path))
+    assert code == 2 and "starts at event 1000" in err and err.count("\n") == 1

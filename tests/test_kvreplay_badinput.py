@@ -10,6 +10,7 @@ multi-frame trace at every byte offset and flips a few hundred random bits (seed
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import zlib
@@ -21,6 +22,7 @@ import pytest
 from kvcached.ledger.events import Header, Policy, PoolGeometry
 from kvcached.ledger.journal import JournalWriter
 from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.segments import read_snapshot
 from kvcached.ledger.simulate import derive
 from kvcached.testing.seed_cases import SCENARIOS
 from kvreplay.cli import main
@@ -220,3 +222,39 @@ def test_random_bit_flips(tmp_path: Path, small_trace: bytes, capsys: pytest.Cap
         cases[case] = cases.get(case, 0) + 1
     # CRCs catch every flip but those in the 4 reserved preamble bytes, which readers ignore.
     assert cases["error"] > 250
+
+
+# --- snapshots as input and output ----------------------------------------------------------
+
+
+def test_snapshot_output_is_never_written_through_a_link(
+    tmp_path: Path, small_trace: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.kvj"
+    path.write_bytes(small_trace)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    link = tmp_path / "s.snap"
+    os.symlink(victim, link)
+    code = main(["snapshot", str(path), "--at", "3", "-o", str(link)])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and f"{link}: a symbolic link, not a regular file" in err[0], err
+    assert victim.read_bytes() == b"precious"
+    old = tmp_path / "old.snap"  # a regular file the user names with -o is replaced, as -o does
+    old.write_bytes(b"old")
+    assert main(["snapshot", str(path), "--at", "3", "-o", str(old)]) == 0
+    assert read_snapshot(old).index == 3
+    assert sorted(os.listdir(tmp_path)) == ["old.snap", "s.snap", "t.kvj", "victim"]
+
+
+def test_a_snapshot_that_is_not_a_regular_file_is_one_line(
+    tmp_path: Path, small_trace: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.kvj"
+    path.write_bytes(small_trace)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: opening it to read would block forever
+    for snap, what in ((str(fifo), "a FIFO"), ("/dev/zero", "a character device")):
+        code, out, err = check(capsys, path, "--from-snapshot", snap)
+        assert code == 2 and out == "" and len(err) == 1, err
+        assert err[0] == f"kvreplay: {snap}: at byte 0: cannot read the snapshot: {what}, not a regular file"

@@ -21,20 +21,10 @@ from kvcached.errors import ConfigError
 from kvcached.ledger.events import Event, Gap
 from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.segments import RotatedJournal, read_snapshot, resume, segment_path, snapshot_path
 from kvcached.ledger.simulate import derive
 from kvcached.service import ledger_service as service_mod
-from kvcached.service.ledger_service import (
-    BackgroundService,
-    Durability,
-    LedgerService,
-    Producer,
-    RotatedJournal,
-    ServiceConfig,
-    read_snapshot,
-    resume,
-    segment_path,
-    snapshot_path,
-)
+from kvcached.service.ledger_service import BackgroundService, Durability, LedgerService, Producer, ServiceConfig
 from kvcached.testing import synth
 
 HEADER = synth.header()
@@ -142,7 +132,7 @@ def test_journal_gets_every_event_in_order_across_rotated_segments(tmp_path: Pat
     assert len(journal.segments) > 3
     assert list(journal.events()) == events and journal.torn_tail is None
     first = 0
-    for k, seg in enumerate(journal.segments):  # each segment is a whole journal on its own
+    for k, seg in enumerate(journal.paths):  # each segment is a whole journal on its own
         assert seg == segment_path(path, k)
         contents = read_journal(seg)
         assert contents.header.meta["segment"] == str(k) and contents.header.meta["first_event"] == str(first)

@@ -24,9 +24,10 @@ import pytest
 
 from kvcached.ledger.events import Event, Gap
 from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.segments import RotatedJournal
 from kvcached.ledger.simulate import derive
 from kvcached.service import ledger_service as service_mod
-from kvcached.service.ledger_service import BackgroundService, Durability, RotatedJournal, ServiceConfig
+from kvcached.service.ledger_service import BackgroundService, Durability, ServiceConfig
 from kvcached.testing import synth
 
 HEADER = synth.header()
@@ -149,7 +150,7 @@ def test_sigkill_at_random_points_never_loses_a_durable_event(tmp_path: Path) ->
         check(events)
         if journal.torn_tail is not None:
             torn += 1
-            assert journal.torn_segment == journal.segments[-1]
+            assert journal.torn_segment == journal.paths[-1]
         if tear_at is not None:
             assert journal.torn_tail is not None, f"run {run}: the torn frame was not reported"
     assert torn >= RUNS // 5

@@ -17,7 +17,9 @@ Files, for a journal at ``P``: segments ``P``, ``P.1``, ``P.2`` ..., each a comp
 of its first event), made visible only once the header is written (temp file + rename).
 ``P.snap`` is the latest snapshot, replaced by rename: a msgpack ``LedgerSnapshot`` (as
 ``kvreplay snapshot`` writes) of the ledger after events ``[0, index)``, written once those
-events are in the journal. :func:`resume` restores it and reads on.
+events are in the journal. Naming, the segment header and the snapshot writer come from
+``kvcached.ledger.segments``, whose ``RotatedJournal`` and ``resume`` read all of it back, for
+kvreplay as for anyone else: one reader and one writer of these files.
 """
 
 from __future__ import annotations
@@ -32,17 +34,18 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO, Final, Literal
 
 import anyio
-import msgspec
 
-from kvcached.errors import ConfigError, JournalError, KvcachedError
+from kvcached.errors import ConfigError, KvcachedError
 from kvcached.ledger.events import Event, Gap, Header
-from kvcached.ledger.journal import PREAMBLE_SIZE, JournalReader, JournalWriter, TornTail, encode_batch
+from kvcached.ledger.files import FileId, fsync_dir
+from kvcached.ledger.journal import JournalWriter, encode_batch
 from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.segments import segment_header, segment_path, snapshot_path, write_snapshot
 from kvcached.ledger.state import LedgerSnapshot
 from kvcached.service.live import LiveServer
 from kvcached.service.messages import HandoffStatus, JournalStatus
@@ -85,14 +88,6 @@ class ServiceConfig:
             raise ConfigError(f"ledger service: {', '.join(bad)}: out of range")
         if self.snapshot_every and not self.replica:
             raise ConfigError("ledger service: snapshots need the replica (replica=True or snapshot_every=0)")
-
-
-def segment_path(base: str, k: int) -> str:
-    return base if k == 0 else f"{base}.{k}"
-
-
-def snapshot_path(base: str) -> str:
-    return f"{base}.snap"
 
 
 # --- the hand-off ---------------------------------------------------------------------------
@@ -198,6 +193,7 @@ class LedgerService:
         self._dirty = False
         self._next_fsync = 0.0
         self._snap_index: int | None = None
+        self._snap_id: FileId | None = None  # the snapshot file this service installed last
         self._overflowing = False  # from the first drop until the writer has caught up
         self._episodes_seen = self._dropped_seen = 0
         self._stopping = self._started = False
@@ -360,8 +356,7 @@ class LedgerService:
         assert base is not None
         path = segment_path(base, k)
         tmp = path + ".tmp"
-        meta = {**self.header.meta, "segment": str(k), "first_event": str(self.index)}
-        header = msgspec.structs.replace(self.header, meta=meta, created_unix=self.header.created_unix or time.time())
+        header = segment_header(self.header, k, self.index)
         file = _open_segment_file(tmp)
         try:
             writer = JournalWriter(file, path, header)
@@ -374,7 +369,7 @@ class LedgerService:
                 os.unlink(tmp)
             raise
         if self.config.durability is not Durability.NONE:
-            _fsync_dir(path)
+            fsync_dir(path)
         self._segment = k
         self._next_fsync = time.monotonic() + self.config.fsync_interval
         return writer
@@ -411,17 +406,9 @@ class LedgerService:
         sync = self.config.durability is not Durability.NONE
         if sync:
             self._fsync()  # the snapshot must never be ahead of the journal on disk
-        body = msgspec.msgpack.encode(snap)
-        path = snapshot_path(base)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(body)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if sync:
-            _fsync_dir(path)
+        # The one snapshot writer (kvcached.ledger.segments): a fresh file, then renamed over
+        # the snapshot this service wrote before, never over a file it did not write.
+        self._snap_id = write_snapshot(snapshot_path(base), snap, sync=sync, replacing=self._snap_id)
         self._snap_index = snap.index
 
     def _close_journal(self) -> None:
@@ -436,14 +423,6 @@ class LedgerService:
 def _open_segment_file(path: str) -> BinaryIO:
     # Unbuffered: a frame reaches the kernel in one write (see JournalWriter). Tests replace this.
     return open(path, "wb", buffering=0)
-
-
-def _fsync_dir(path: str) -> None:  # makes a rename durable
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class BackgroundService:
@@ -507,77 +486,3 @@ class BackgroundService:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# --- reading a rotated journal and its snapshot -----------------------------------------------
-
-
-def _first_event(path: str, header: Header) -> int:
-    raw = header.meta.get("first_event", "0")
-    if not raw.isdigit():
-        raise JournalError(path, PREAMBLE_SIZE, f"header meta first_event={raw!r} is not an event index")
-    return int(raw)
-
-
-class RotatedJournal:
-    """The segments of the journal at ``path`` (``P``, ``P.1``, ...), read in order as one.
-
-    :meth:`events` checks that each segment starts where the previous one ended. A torn tail
-    is allowed only at the end of the last segment (``torn_tail``, ``torn_segment``); the
-    writer rotates only after whole frames, so anywhere else it is damage and raises.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self.segments = [self.path]
-        while os.path.exists(segment_path(self.path, len(self.segments))):
-            self.segments.append(segment_path(self.path, len(self.segments)))
-        with JournalReader(self.path) as reader:
-            self.header = reader.header
-        self.first_event = _first_event(self.path, self.header)
-        self.torn_tail: TornTail | None = None
-        self.torn_segment: str | None = None
-
-    def events(self, start: int = 0) -> Iterator[Event]:
-        """Events with global index >= ``start``, across all segments."""
-        at = self.first_event
-        for k, seg in enumerate(self.segments):
-            reader = JournalReader(seg)
-            first = _first_event(seg, reader.header)
-            if self.torn_tail is not None or first != at:
-                reader.close()
-                what = "follows a torn segment" if self.torn_tail is not None else f"starts at event {first}"
-                raise JournalError(seg, PREAMBLE_SIZE, f"segment {k} {what}; the previous one ends at event {at}")
-            for _, _, batch in reader.batches():
-                if at + len(batch) > start:
-                    yield from batch[max(0, start - at) :]
-                at += len(batch)
-            if reader.torn_tail is not None:
-                self.torn_tail, self.torn_segment = reader.torn_tail, seg
-        if start > at:
-            raise JournalError(self.path, 0, f"event {start} was asked for, but the journal ends at event {at}")
-
-
-def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
-    name = os.fspath(path)
-    try:
-        with open(name, "rb") as f:
-            return msgspec.msgpack.decode(f.read(), type=LedgerSnapshot)
-    except OSError as exc:
-        raise JournalError(name, 0, f"cannot read the snapshot: {exc.strerror or exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise JournalError(name, 0, f"not a ledger snapshot: {exc}") from None
-
-
-def resume(path: str | os.PathLike[str]) -> tuple[Ledger, Iterator[Event], RotatedJournal]:
-    """A ledger restored from ``P.snap`` (or fresh) and the journal's events after it."""
-    journal = RotatedJournal(path)
-    snap = snapshot_path(journal.path)
-    if os.path.exists(snap):
-        sf = read_snapshot(snap)
-        if sf.index >= journal.first_event:
-            return Ledger.restore(sf), journal.events(sf.index), journal
-    if journal.first_event:
-        what = f"the journal starts at event {journal.first_event} and no snapshot covers the events before it"
-        raise JournalError(journal.path, PREAMBLE_SIZE, what)
-    return Ledger(journal.header), journal.events(), journal

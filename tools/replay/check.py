@@ -42,6 +42,9 @@ class CheckResult:
     from_snapshot: int | None
     torn_tail: TornTail | None
     policy_overridden: bool
+    # A rotated journal: which segments exist and which were read (None for one file read whole).
+    segments_note: str | None = None
+    segments: list[dict[str, object]] | None = None
 
 
 def run_check(
@@ -52,7 +55,7 @@ def run_check(
     snapshot: str | None = None,
     progress: bool = True,
 ) -> CheckResult:
-    with Trace(path, progress=progress) as trace:
+    with Trace(path, progress=progress, note=False) as trace:
         ledger, skip = start_ledger(trace, policy, snapshot)
         for batch in trace.batches(skip, "checking"):
             feed(ledger, batch, derived)
@@ -63,6 +66,8 @@ def run_check(
             from_snapshot=skip if snapshot is not None else None,
             torn_tail=trace.torn_tail,
             policy_overridden=policy is not None and ledger.policy is not trace.header.policy,
+            segments_note=trace.segments_note(),
+            segments=trace.segments_json(),
         )
 
 
@@ -81,8 +86,12 @@ def report(result: CheckResult) -> dict[str, Any]:
     """The machine-readable report: what ``check --json`` prints and golden files hold."""
     lg = result.ledger
     torn = result.torn_tail
+    # Only for a trace of several files, so that the report of a one-file trace (every golden
+    # trace) keeps its exact form.
+    rotated = {"segments": result.segments} if result.segments is not None else {}
     return {
         **report_head(result.path, lg, result.derived),
+        **rotated,
         "from_snapshot": result.from_snapshot,
         "torn_tail": msgspec.to_builtins(torn) if torn is not None else None,
         "summary": lg.counters(),
@@ -125,6 +134,8 @@ def render(result: CheckResult, limit: int) -> str:
     policy = f"policy {lg.policy.value}" + (" (--policy)" if result.policy_overridden else " (recorded)")
     start = f"; from the snapshot after event {result.from_snapshot:,}" if result.from_snapshot is not None else ""
     print(f"{result.path}: {lg.index:,} events, {policy}, decisions {how}{start}", file=out)
+    if result.segments_note is not None:
+        print(f"{result.path}: {result.segments_note}", file=out)
     shown = lg.violations if limit <= 0 else lg.violations[:limit]
     for v in shown:
         print("\n".join(witness_lines(v, f"{result.path}: ")), file=out)

@@ -3,28 +3,32 @@
 Every subcommand reads a journal the same way, so the rules for bad input live here once: the
 journal reader's errors (which already name file and byte offset) pass through untouched, a
 torn last frame becomes one warning line on stderr and the events before it are used, and a
-snapshot or header that cannot be trusted becomes a ``ReplayError`` with one line naming the
-file. The loop streams the trace frame by frame, so memory is bounded by one frame plus the
-ledger, whatever the length of the trace; a progress bar is drawn only when stderr is a
-terminal, and only once per frame, so that it costs nothing per event.
+snapshot or header that cannot be trusted becomes one line naming the file. A journal the
+service rotated is one trace whichever of its segments is named: the reader and the snapshot
+reader and writer are the ledger core's (``kvcached.ledger.segments``), the ones the service
+uses, so kvreplay reads exactly what the service writes. The loop streams the trace frame by
+frame, so memory is bounded by one frame plus the ledger, whatever the length of the trace; a
+progress bar is drawn only when stderr is a terminal, and only once per frame, so that it costs
+nothing per event.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Final
 
-import msgspec
-
 from kvcached.errors import KvcachedError
+from kvcached.ledger import files, segments
 from kvcached.ledger.events import Event, Header, Policy
-from kvcached.ledger.journal import JournalReader, TornTail
+from kvcached.ledger.journal import TornTail
 from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.segments import RotatedJournal, names, read_snapshot, snapshot_path
 from kvcached.ledger.simulate import derive
 from kvcached.ledger.state import LedgerSnapshot
 
@@ -69,60 +73,95 @@ def torn_message(path: str, torn: TornTail, events: int) -> str:
 
 
 class Trace:
-    """An open journal: its header, checked for sanity, and its events as a stream of batches."""
+    """An open trace: its header, checked for sanity, and its events as a stream of batches.
 
-    def __init__(self, path: str, *, progress: bool = True) -> None:
+    A journal the service rotated (``P``, ``P.1``, ...) is one trace, read in order from ``P``
+    whichever of its segments is named (``kvcached.ledger.segments.RotatedJournal``);
+    :meth:`segments_note` says which files exist and which were read.
+    """
+
+    def __init__(self, path: str, *, progress: bool = True, note: bool = True) -> None:
         self.path = path
-        self.reader = JournalReader(path)
-        self.header = self.reader.header
+        self.journal = RotatedJournal(path)
+        self.header = self.journal.header
         total = sum(p.num_blocks for p in self.header.pools)
         if total > MAX_BLOCKS:
-            self.reader.close()
             raise ReplayError(
                 f"{path}: header declares {total} blocks (more than {MAX_BLOCKS}); damaged or not a KV cache trace"
             )
-        self.events = 0  # events read so far, skipped ones included
+        self.events = 0  # global index after the last event read, skipped ones included
         self.torn_tail: TornTail | None = None
         self._progress = progress and sys.stderr.isatty()
+        self._note = note
+
+    @property
+    def first_event(self) -> int:
+        return self.journal.first_event
 
     def policy(self, override: str | None) -> Policy:
         return Policy(override) if override else self.header.policy
 
     def batches(self, skip: int = 0, label: str = "replaying") -> Iterator[list[Event]]:
-        """The trace's events after the first ``skip``, a frame at a time.
+        """The trace's events after the first ``skip`` (a global index), a frame at a time.
 
         Warns about a torn tail once the stream ends; a damaged frame raises ``JournalError``.
         """
-        size = _file_size(self.path)
+        j = self.journal
+        size = j.size
         with _progress_bar(self.path, label, size, self._progress and size >= PROGRESS_MIN_BYTES) as advance:
-            for first, offset, events in self.reader.batches():
-                end = first + len(events)
-                self.events = end
-                advance(offset)
-                if end <= skip:
-                    continue
-                yield events[skip - first :] if first < skip else events
-        if skip > self.events:
-            raise ReplayError(f"{self.path}: the snapshot follows event {skip}, but the trace has {self.events}")
-        self.torn_tail = self.reader.torn_tail
+            for first, position, events in j.batches(skip):
+                self.events = first + len(events)
+                advance(position)
+                yield events
+        self.events = j.events_read
+        if self._note and (note := self.segments_note()) is not None:
+            print(f"kvreplay: note: {self.path}: {note}", file=sys.stderr)
+        self.torn_tail = j.torn_tail
         if self.torn_tail is not None:
-            warn(torn_message(self.path, self.torn_tail, self.events))
+            warn(torn_message(j.torn_segment or self.path, self.torn_tail, self.events))
+
+    def segments_note(self) -> str | None:
+        """Which segments the trace has and which were read; None for a trace of one file read whole."""
+        j = self.journal
+        if len(j.segments) == 1 and not j.given:
+            return None
+        seg = j.segments
+        if j.standalone:
+            head = f"segment {j.given} of a rotated journal whose other segments are not named after it; read alone"
+        else:
+            whole = f"segment {j.given} of the rotated journal {j.base}, which has" if j.given else "a journal of"
+            head = f"{whole} {len(seg)} segment(s) ({names(seg)})"
+        read = [s for s, _ in j.read]
+        if read == seg:
+            return f"{head}; read all" if len(seg) > 1 else head
+        if not read:
+            return f"{head}; read none"
+        unread = [s for s in seg if s not in read]
+        return f"{head}; read {names(read)}; unread, as they hold only events before the snapshot: {names(unread)}"
+
+    def segments_json(self) -> list[dict[str, object]] | None:
+        """The segments for a JSON report (file names without directories); None as for the note."""
+        if self.segments_note() is None:
+            return None
+        counts = {s.number: n for s, n in self.journal.read}
+        return [
+            {
+                "file": json_name(s.path),
+                "segment": s.number,
+                "first_event": s.first_event,
+                "events": counts.get(s.number),  # None: not read (before the snapshot)
+            }
+            for s in self.journal.segments
+        ]
 
     def close(self) -> None:
-        self.reader.close()
+        pass
 
     def __enter__(self) -> Trace:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 @contextlib.contextmanager
@@ -160,23 +199,27 @@ def _progress_bar(path: str, label: str, size: int, enabled: bool) -> Iterator[C
 
 
 def load_snapshot(path: str) -> LedgerSnapshot:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise ReplayError(f"{path}: cannot read the snapshot: {exc.strerror or exc}") from None
-    try:
-        return msgspec.msgpack.decode(data, type=LedgerSnapshot)
-    except msgspec.DecodeError as exc:
-        what = " ".join(str(exc).split())
-        raise ReplayError(f"{path}: not a kvreplay snapshot: {what}") from None
+    """The snapshot at ``path`` (the service's ``P.snap`` or one ``kvreplay snapshot`` wrote)."""
+    return read_snapshot(path)
 
 
 def start_ledger(trace: Trace, policy: str | None, snapshot: str | None) -> tuple[Ledger, int]:
     """A ledger for ``trace`` and how many of its events are already in it (from a snapshot)."""
     if snapshot is None:
+        if trace.first_event:
+            snap_name = snapshot_path(trace.journal.base)
+            hint = snap_name if os.path.exists(snap_name) else "SNAP (one taken at or after that event)"
+            raise ReplayError(
+                f"{trace.path}: the journal starts at event {trace.first_event:,} (its service started from a "
+                f"snapshot); replay it with --from-snapshot {hint}"
+            )
         return Ledger(trace.header, trace.policy(policy)), 0
     snap = load_snapshot(snapshot)
+    if snap.index < trace.first_event:
+        raise ReplayError(
+            f"{snapshot}: taken after event {snap.index:,}, before the journal {trace.path} starts "
+            f"(event {trace.first_event:,})"
+        )
     h, s = trace.header, snap.header
     if (h.page_bytes, h.pools, h.workers) != (s.page_bytes, s.pools, s.workers):
         raise ReplayError(f"{snapshot}: taken from a trace of another geometry than {trace.path}")
@@ -214,8 +257,12 @@ def feed(ledger: Ledger, batch: list[Event], derived: bool) -> None:
 
 
 def write_snapshot(ledger: Ledger, path: str) -> None:
+    """Writes the ledger's snapshot to ``path``, which the user named: a regular file there is
+    replaced (as ``-o`` does everywhere), anything else (a symlink, a device) is refused."""
+    st = files.lstat(path)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise ReplayError(f"{path}: {files.kind(st.st_mode)}, not a regular file: not writing the snapshot there")
     try:
-        with open(path, "wb") as f:
-            f.write(msgspec.msgpack.encode(ledger.snapshot()))
+        segments.write_snapshot(path, ledger.snapshot(), replacing=None if st is None else files.FileId.of(st))
     except OSError as exc:
         raise ReplayError(f"{path}: cannot write the snapshot: {exc.strerror or exc}") from None

@@ -1,0 +1,161 @@
+"""Files the journal service and kvreplay write and read: made fresh, installed without replacing
+what someone else put there, read only when they are regular files.
+
+A journal often lies in a shared directory (the README's example is ``/tmp/run.kvj``), where
+another user can plant a name before the writer gets to it: a symlink ``P.tmp -> ~/.bashrc``,
+or a FIFO where a snapshot is expected. So a file is never opened for writing under its final
+name. It is written under a fresh, unpredictable name (:func:`create_temp`: ``O_CREAT|O_EXCL|
+O_NOFOLLOW``, so a planted name or link makes the open fail instead of being written through),
+then given its name by :func:`install`: as a hard link, which fails if anything already has the
+name, or by a rename over exactly the file the same writer installed before (checked by device
+and inode, so a file swapped in meanwhile is not replaced). Reading goes through
+:func:`open_regular`, which opens without blocking and refuses what is not a regular file (a FIFO
+would block ``open`` forever, ``/dev/zero`` never ends); its size then bounds the read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from typing import BinaryIO, Final, NamedTuple
+
+# Names longer than this are cut in the temporary name, which must stay under NAME_MAX (255).
+_TEMP_NAME_KEEP: Final = 200
+# errno values of a file system that has no hard links (vfat, some FUSE and network mounts).
+_NO_LINKS: Final = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK})
+
+
+class FileId(NamedTuple):
+    """Which file a name points to: compared before replacing it."""
+
+    dev: int
+    ino: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileId:
+        return cls(st.st_dev, st.st_ino)
+
+
+class NotRegularFileError(OSError):
+    """A path that should hold a regular file holds a FIFO, a device, a directory or a socket."""
+
+
+def kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words, for messages."""
+    for test, what in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def lstat(path: str) -> os.stat_result | None:
+    """``os.lstat``, or None when nothing has the name."""
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def create_temp(near: str) -> tuple[str, BinaryIO]:
+    """A new, empty file beside ``near`` under an unpredictable name, open unbuffered for writing.
+
+    The name is ``.NAME.<16 hex digits>.tmp`` (hidden, and never a name another writer uses).
+    ``O_EXCL|O_NOFOLLOW``: if the name exists, even as a dangling symlink, the open fails and
+    another name is drawn; nothing existing is ever opened.
+    """
+    folder, name = os.path.split(near)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = os.path.join(folder, f".{name[:_TEMP_NAME_KEEP]}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        return tmp, os.fdopen(fd, "wb", buffering=0)
+    raise FileExistsError(errno.EEXIST, "no free temporary name after 16 tries", near)
+
+
+def install(tmp: str, path: str, *, replacing: FileId | None = None) -> None:
+    """Gives the finished temporary file ``tmp`` the name ``path``.
+
+    With ``replacing`` None, ``path`` must not exist: the file is hard-linked there, which fails
+    with ``FileExistsError`` if anything has the name (a file, a symlink, a device node), and
+    the temporary name is removed. On a file system without hard links the check and the rename
+    are two steps. With ``replacing``, ``path`` must still be that very file (the one this writer
+    installed before), which the rename then replaces atomically.
+    """
+    if replacing is not None:
+        st = lstat(path)
+        if st is None or FileId.of(st) != replacing or not stat.S_ISREG(st.st_mode):
+            what = "gone" if st is None else f"{kind(st.st_mode)} this writer did not make"
+            raise FileExistsError(errno.EEXIST, f"no longer the file this writer made ({what}); not replacing it", path)
+        os.rename(tmp, path)
+        return
+    try:
+        os.link(tmp, path, follow_symlinks=False)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, "exists already; not replacing it", path) from None
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS:
+            raise
+        if lstat(path) is not None:
+            raise FileExistsError(errno.EEXIST, "exists already; not replacing it", path) from None
+        os.rename(tmp, path)
+        return
+    os.unlink(tmp)
+
+
+def discard(tmp: str) -> None:
+    """Removes a temporary file after a failure; a failure to remove it is not reported."""
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
+def fsync_dir(path: str) -> None:
+    """Makes a rename or link in the folder of ``path`` durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str, *, follow: bool = True) -> tuple[BinaryIO, os.stat_result]:
+    """Opens ``path`` for reading if it is a regular file; raises ``NotRegularFileError`` if not.
+
+    ``O_NONBLOCK`` so that a FIFO without a writer cannot block the open; it has no effect on a
+    regular file. ``follow=False`` also refuses a symlink (``O_NOFOLLOW``).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise NotRegularFileError(errno.ELOOP, "a symbolic link, not a regular file", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(errno.EINVAL, f"{kind(st.st_mode)}, not a regular file", path)
+        return os.fdopen(fd, "rb"), st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str, *, follow: bool = True) -> bytes:
+    """The bytes of a regular file, at most its size when opened (it cannot grow the read)."""
+    f, st = open_regular(path, follow=follow)
+    with f:
+        return f.read(st.st_size)

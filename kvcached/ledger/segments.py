@@ -1,0 +1,321 @@
+"""Rotated journals and snapshots: the one reader and the one snapshot writer that the journal
+service and kvreplay share.
+
+The journal service writes the journal at ``P`` as segments ``P``, ``P.1``, ``P.2`` ..., each a
+complete journal whose header ``meta`` gives its ``segment`` number and the global index of its
+``first_event``, and its latest snapshot as ``P.snap`` (docs/trace-format.md). A reader that
+stops at ``P`` calls a twelve-segment run clean after reading a twelfth of it, so everything a
+reader must know lives here once: which files make up the journal (the numbered siblings of
+``P``, contiguous), that each segment starts where the one before it ended, that only the last
+may end in a torn frame, and that a journal starting mid-run (a service started from a
+snapshot) can only be replayed from a snapshot. A file whose header has no ``segment`` (a
+recorder's or kvreplay's trace) is a journal of one file: nothing beside it is read. Given a
+segment ``P.k`` the reader reads the journal it belongs to, from ``P``: the events of a segment
+that starts mid-run mean nothing to a fresh ledger, so reading it alone would report false
+violations; ``start`` (a snapshot's index) skips the segments that end before it unread.
+Snapshots are msgpack ``LedgerSnapshot`` values; they are read from regular files only, bounded
+by the file's size, and written under a fresh name, then installed without replacing a file
+the writer did not make (:mod:`kvcached.ledger.files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Iterator
+from typing import Final
+
+import msgspec
+
+from kvcached.errors import JournalError
+
+from .events import Event, Header
+from .files import FileId, NotRegularFileError, create_temp, discard, fsync_dir, install, read_regular
+from .journal import PREAMBLE_SIZE, JournalReader, TornTail
+from .ledger import Ledger
+from .state import LedgerSnapshot
+
+SEGMENT_KEY: Final = "segment"  # header meta: the segment's number, as a decimal string
+FIRST_EVENT_KEY: Final = "first_event"  # header meta: global index of the segment's first event
+SNAPSHOT_SUFFIX: Final = ".snap"
+# More digits than any event count can have: a longer "number" is damage, not an index.
+_MAX_DIGITS: Final = 19
+
+
+def segment_path(base: str, k: int) -> str:
+    """The name of segment ``k`` of the journal at ``base``: ``base`` itself, then ``base.k``."""
+    return base if k == 0 else f"{base}.{k}"
+
+
+def snapshot_path(base: str) -> str:
+    return base + SNAPSHOT_SUFFIX
+
+
+def segment_header(header: Header, k: int, first_event: int) -> Header:
+    """The header of segment ``k``: ``header`` with the segment's meta and a creation time."""
+    meta = {**header.meta, SEGMENT_KEY: str(k), FIRST_EVENT_KEY: str(first_event)}
+    return msgspec.structs.replace(header, meta=meta, created_unix=header.created_unix or time.time())
+
+
+def segment_number(name: str, base_name: str) -> int | None:
+    """``k`` when the file name ``name`` is ``base_name.k`` (k >= 1, written as segment_path does)."""
+    if not name.startswith(base_name + "."):
+        return None
+    rest = name[len(base_name) + 1 :]
+    if not (rest.isascii() and rest.isdigit()) or len(rest) > 9 or rest[0] == "0":
+        return None
+    return int(rest)
+
+
+def _meta_int(path: str, header: Header, key: str) -> int | None:
+    raw = header.meta.get(key)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > _MAX_DIGITS:
+        raise JournalError(path, PREAMBLE_SIZE, f"header meta {key}={raw[:40]!r} is not a number")
+    return int(raw)
+
+
+def _same_run(a: Header, b: Header) -> bool:
+    return (a.format_version, a.page_bytes, a.pools, a.workers, a.policy) == (
+        b.format_version, b.page_bytes, b.pools, b.workers, b.policy,
+    )
+
+
+class Segment(msgspec.Struct, frozen=True):
+    """One file of a journal: its number, path and the global index of its first event."""
+
+    number: int
+    path: str
+    first_event: int
+
+
+def read_header(path: str) -> Header:
+    with JournalReader(path) as reader:
+        return reader.header
+
+
+def names(segments: list[Segment], most: int = 4) -> str:
+    """The segments' paths for a message: all of them, or the first and last few."""
+    paths = [s.path for s in segments]
+    if len(paths) <= most:
+        return ", ".join(paths)
+    return f"{', '.join(paths[:2])} ... {', '.join(paths[-2:])}"
+
+
+class RotatedJournal:
+    """The journal that ``path`` belongs to, read in order as one trace of global event indices.
+
+    ``segments`` are its files in order; ``given`` is the segment number of ``path`` (None for a
+    file with no segment meta, which is read alone); ``base`` is the journal's ``P``. After
+    reading, ``read`` holds the segments read with their event counts, ``events_read`` the global
+    index after the last event, and ``torn_tail``/``torn_segment`` a torn last frame. Problems
+    are ``JournalError`` naming the file: a missing segment, one that does not start where the
+    one before ended, one from another run, a torn frame anywhere but at the very end.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        header = read_header(self.path)
+        self.given = _meta_int(self.path, header, SEGMENT_KEY)
+        first = _meta_int(self.path, header, FIRST_EVENT_KEY) or 0
+        self.base = self.path
+        self.standalone = False  # a segment whose siblings are not named after it (copied, renamed)
+        if self.given is None:
+            self.segments = [Segment(0, self.path, 0)]
+        else:
+            suffix = f".{self.given}"
+            if self.given and not (self.path.endswith(suffix) and len(self.path) > len(suffix)):
+                self.standalone = True
+                self.segments = [Segment(self.given, self.path, first)]
+            else:
+                self.base = self.path[: -len(suffix)] if self.given else self.path
+                self.segments = self._discover(Segment(self.given, self.path, first), header)
+        self.header = header if self.segments[0].path == self.path else read_header(self.segments[0].path)
+        self.first_event = self.segments[0].first_event
+        self.read: list[tuple[Segment, int]] = []
+        self.events_read = self.first_event
+        self.torn_tail: TornTail | None = None
+        self.torn_segment: str | None = None
+
+    @property
+    def paths(self) -> list[str]:
+        return [s.path for s in self.segments]
+
+    @property
+    def size(self) -> int:
+        """Bytes in all segments (for a progress bar)."""
+        total = 0
+        for s in self.segments:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(s.path)
+        return total
+
+    def _numbers(self, given: int) -> set[int]:
+        folder, name = os.path.split(self.base)
+        found = {given}
+        try:
+            entries = os.listdir(folder or ".")
+        except OSError:  # a folder that may be searched but not listed: probe the names in turn
+            k = 1
+            while os.path.exists(segment_path(self.base, k)):
+                found.add(k)
+                k += 1
+            entries = [name] if os.path.exists(self.base) else []
+        for entry in entries:
+            if entry == name:
+                found.add(0)
+            elif (number := segment_number(entry, name)) is not None:
+                found.add(number)
+        return found
+
+    def _discover(self, given: Segment, header: Header) -> list[Segment]:
+        numbers = sorted(self._numbers(given.number))
+        segments: list[Segment] = []
+        for k in range(numbers[0], numbers[-1] + 1):
+            path = segment_path(self.base, k)
+            if k not in numbers:
+                have = ", ".join(segment_path(self.base, n) for n in numbers[:3]) + (" ..." if len(numbers) > 3 else "")
+                what = f"segment {k} of the rotated journal {self.base} is missing (there are {have}): events lost"
+                raise JournalError(path, 0, what)
+            if k == given.number:
+                segments.append(given)
+                continue
+            other = read_header(path)
+            number = _meta_int(path, other, SEGMENT_KEY)
+            if number != k:
+                what = "no segment number" if number is None else f"segment number {number}"
+                what = f"its header says {what}, not {k}: not a segment of {self.base}"
+                raise JournalError(path, PREAMBLE_SIZE, what)
+            if not _same_run(other, header):
+                what = f"its geometry or policy differ from {given.path}'s: a segment of another run"
+                raise JournalError(path, PREAMBLE_SIZE, what)
+            segments.append(Segment(k, path, _meta_int(path, other, FIRST_EVENT_KEY) or 0))
+        for a, b in itertools.pairwise(segments):
+            if b.first_event < a.first_event:
+                what = f"segment {b.number} starts at event {b.first_event}, before segment {a.number} does"
+                raise JournalError(b.path, PREAMBLE_SIZE, what)
+        return segments
+
+    def batches(self, start: int | None = None) -> Iterator[tuple[int, int, list[Event]]]:
+        """``(global index of the first event, bytes before this frame in all segments, events)``
+        per frame, for the events with global index >= ``start`` (None: all the journal holds;
+        below its first event: an error, since the events before it are nowhere). Iterate once."""
+        if start is None:
+            start = self.first_event
+        if start < self.first_event:
+            what = (
+                f"the journal starts at event {self.first_event} (its writer started from a snapshot): the events "
+                f"before it are in no segment, so it can only be replayed from a snapshot taken at or after it"
+            )
+            raise JournalError(self.segments[0].path, PREAMBLE_SIZE, what)
+        at = self.first_event
+        done = 0  # bytes of the segments before this one
+        end = self.segments[0].path, 0
+        for i, seg in enumerate(self.segments):
+            size = _size(seg.path)
+            nxt = self.segments[i + 1] if i + 1 < len(self.segments) else None
+            if nxt is not None and nxt.first_event <= start:
+                at = self.events_read = nxt.first_event  # nothing in this one is wanted: unread
+                done += size
+                continue
+            if self.torn_tail is not None:
+                what = f"segment {seg.number} follows {self.torn_segment}, which ends in a torn frame (damage)"
+                raise JournalError(seg.path, PREAMBLE_SIZE, what)
+            if seg.first_event != at:
+                what = f"segment {seg.number} starts at event {seg.first_event}, but the one before ends at event {at}"
+                raise JournalError(seg.path, PREAMBLE_SIZE, what)
+            reader = JournalReader(seg.path)
+            count = 0
+            try:
+                for _, offset, batch in reader.batches():
+                    first = at
+                    at += len(batch)
+                    count += len(batch)
+                    self.events_read = at
+                    if at > start:
+                        yield first, done + offset, batch[start - first :] if first < start else batch
+            finally:
+                reader.close()
+            self.read.append((seg, count))
+            if reader.torn_tail is not None:
+                self.torn_tail, self.torn_segment = reader.torn_tail, seg.path
+            end = seg.path, reader.offset
+            done += size
+        if start > at:
+            raise JournalError(end[0], end[1], f"the journal ends at event {at}; reading was to start at event {start}")
+
+    def events(self, start: int | None = None) -> Iterator[Event]:
+        """The events with global index >= ``start`` (None: all of them), across all segments."""
+        for _, _, batch in self.batches(start):
+            yield from batch
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+# --- snapshots --------------------------------------------------------------------------------
+
+
+def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
+    """The snapshot at ``path``; a ``JournalError`` naming it if it is unreadable or not one."""
+    name = os.fspath(path)
+    try:
+        data = read_regular(name)
+    except NotRegularFileError as exc:
+        raise JournalError(name, 0, f"cannot read the snapshot: {exc.strerror}") from None
+    except OSError as exc:
+        raise JournalError(name, 0, f"cannot read the snapshot: {exc.strerror or exc}") from None
+    try:
+        return msgspec.msgpack.decode(data, type=LedgerSnapshot)
+    except msgspec.DecodeError as exc:
+        raise JournalError(name, 0, f"not a ledger snapshot: {' '.join(str(exc).split())}") from None
+
+
+def write_snapshot(
+    path: str, snap: LedgerSnapshot, *, sync: bool = False, replacing: FileId | None = None
+) -> FileId:
+    """Writes ``snap`` to ``path``: under a fresh name, then installed (see ``files.install``:
+    ``replacing`` None means ``path`` must not exist). Returns the new file's id, to pass as
+    ``replacing`` next time. ``sync``: on the disk, rename included, before it returns.
+    Raises ``OSError``; nothing is left behind but the file installed."""
+    body = msgspec.msgpack.encode(snap)
+    tmp, f = create_temp(path)
+    try:
+        with f:
+            done = 0
+            while done < len(body):  # a regular file writes short only when the disk fills up
+                wrote = f.write(body[done:])
+                if not wrote:
+                    raise OSError(f"short write ({done} of {len(body)} bytes)")
+                done += wrote
+            if sync:
+                os.fsync(f.fileno())
+            fid = FileId.of(os.fstat(f.fileno()))
+        install(tmp, path, replacing=replacing)
+    except BaseException:
+        discard(tmp)
+        raise
+    if sync:
+        fsync_dir(path)
+    return fid
+
+
+def resume(path: str | os.PathLike[str]) -> tuple[Ledger, Iterator[Event], RotatedJournal]:
+    """A ledger restored from the journal's snapshot ``P.snap`` (or fresh) and the events after it."""
+    journal = RotatedJournal(path)
+    snap = snapshot_path(journal.base)
+    if os.path.exists(snap):
+        sf = read_snapshot(snap)
+        if sf.index >= journal.first_event:
+            return Ledger.restore(sf), journal.events(sf.index), journal
+    if journal.first_event:
+        what = f"the journal starts at event {journal.first_event} and no snapshot covers the events before it"
+        raise JournalError(journal.segments[0].path, PREAMBLE_SIZE, what)
+    return Ledger(journal.header), journal.events(), journal
