@@ -7,11 +7,12 @@ import errno
 import itertools
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import anyio
 import msgspec
@@ -61,8 +62,8 @@ def with_gaps(journal: list[Event], sent: list[Event]) -> int:
 class FaultyFile:
     """A journal file that blocks on ``gate`` or fills up after ``room`` bytes (ENOSPC)."""
 
-    def __init__(self, path: str, room: int | None = None, gate: threading.Event | None = None) -> None:
-        self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed through close()
+    def __init__(self, file: BinaryIO, room: int | None = None, gate: threading.Event | None = None) -> None:
+        self._f = file
         self.room, self.gate = room, gate
 
     def write(self, data: Any) -> int:
@@ -77,6 +78,19 @@ class FaultyFile:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
+
+
+_REAL_OPEN = service_mod._open_segment_file
+
+
+def faulty(room: int | None = None, gate: threading.Event | None = None) -> Callable[[str], tuple[str, BinaryIO]]:
+    """A replacement for the service's segment file maker that wraps each file in FaultyFile."""
+
+    def open_segment_file(near: str) -> tuple[str, BinaryIO]:
+        tmp, file = _REAL_OPEN(near)
+        return tmp, cast(BinaryIO, FaultyFile(file, room, gate))
+
+    return open_segment_file
 
 
 # --- the hand-off -------------------------------------------------------------------------------
@@ -166,17 +180,6 @@ def test_a_service_started_from_a_snapshot_writes_a_replayable_journal(tmp_path:
     assert ledger.snapshot() == live.snapshot()
 
 
-def test_old_segments_and_snapshot_at_the_path_are_replaced(tmp_path: Path) -> None:
-    path = str(tmp_path / "j.kvj")
-    for stale in (segment_path(path, 1), segment_path(path, 7), snapshot_path(path), path + ".2.tmp"):
-        Path(stale).write_bytes(b"old")
-    Path(tmp_path / "j.kvj.keep").write_bytes(b"not ours")
-    with BackgroundService.start(HEADER, ServiceConfig(journal=path, snapshot_every=0)) as bg:
-        put_all(bg.producer, trace(100))
-    assert sorted(os.listdir(tmp_path)) == ["j.kvj", "j.kvj.keep"]
-    assert list(RotatedJournal(path).events()) == trace(100)
-
-
 @pytest.mark.parametrize("durability", list(Durability))
 def test_durability_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: Durability) -> None:
     fsyncs: list[int] = []
@@ -214,7 +217,7 @@ def test_overflow_never_blocks_the_producer_and_is_journaled_as_a_gap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     gate = threading.Event()
-    monkeypatch.setattr(service_mod, "_open_segment_file", lambda p: FaultyFile(p, gate=gate))
+    monkeypatch.setattr(service_mod, "_open_segment_file", faulty(gate=gate))
     events = trace(20_000)
     path = str(tmp_path / "slow.kvj")
     caplog.set_level(logging.WARNING, "kvcached.service.ledger_service")
@@ -247,7 +250,7 @@ def test_overflow_never_blocks_the_producer_and_is_journaled_as_a_gap(
 def test_a_full_disk_stops_journaling_once_and_the_producer_keeps_serving(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(service_mod, "_open_segment_file", lambda p: FaultyFile(p, room=20_000))
+    monkeypatch.setattr(service_mod, "_open_segment_file", faulty(room=20_000))
     events = trace(20_000)
     path = str(tmp_path / "full.kvj")
     caplog.set_level(logging.ERROR, "kvcached.service.ledger_service")
@@ -330,3 +333,148 @@ def test_resume_refuses_a_journal_it_cannot_start(tmp_path: Path) -> None:
     assert _drained(RotatedJournal(path).events(150)) == 50
     with pytest.raises(JournalError, match="ends at event 200"):
         _drained(RotatedJournal(path).events(500))
+
+
+# --- files the service does not own (issue 13, item 8) ------------------------------------------
+
+
+def _journal_off(bg: BackgroundService) -> str:
+    status = bg.service.journal_status()
+    assert status.state == "stopped" and status.error is not None
+    return status.error
+
+
+@pytest.mark.parametrize("what", ["fifo", "symlink", "foreign file", "directory"])
+def test_a_journal_path_holding_something_else_is_never_replaced(tmp_path: Path, what: str) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = tmp_path / "j.kvj"
+    if what == "fifo":  # as a device node such as /dev/full would be
+        os.mkfifo(path)
+    elif what == "symlink":
+        os.symlink(victim, path)
+    elif what == "foreign file":
+        path.write_bytes(b"Jan  1 00:00:00 host a log line\n")
+    else:
+        path.mkdir()
+    before = os.lstat(path)
+    with BackgroundService.start(HEADER, ServiceConfig(journal=str(path))) as bg:
+        put_all(bg.producer, trace(100))
+    error = _journal_off(bg)
+    assert error.startswith(f"{path}: ") and "not a file this journal service wrote" in error, error
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert victim.read_bytes() == b"precious"
+    if what == "foreign file":
+        assert path.read_bytes() == b"Jan  1 00:00:00 host a log line\n"
+    assert sorted(os.listdir(tmp_path)) == ["j.kvj", "victim"]  # nothing made, no temporary file left
+    assert bg.service.replica is not None and bg.service.replica.index == 100  # serving went on
+
+
+def test_files_beside_the_journal_that_it_did_not_write_are_never_deleted(tmp_path: Path) -> None:
+    path = str(tmp_path / "syslog")
+    theirs = {
+        "syslog.1": b"rotated log 1\n",
+        "syslog.2": b"rotated log 2\n",
+        "syslog.snap": b"a snap",
+        "syslog.3.tmp": b"t3",
+        "syslog.snap.tmp": b"ts",
+        "syslog.keep": b"k",
+    }
+    for name, data in theirs.items():
+        (tmp_path / name).write_bytes(data)
+    with BackgroundService.start(HEADER, ServiceConfig(journal=path)) as bg:
+        put_all(bg.producer, trace(100))
+    # The names the journal would write (syslog.1, syslog.snap) are taken: journaling is off.
+    assert _journal_off(bg).startswith(f"{path}.1: a regular file that is not a kvcached journal, not a file this")
+    assert {n: (tmp_path / n).read_bytes() for n in theirs} == theirs and not os.path.exists(path)
+    for name in ("syslog.1", "syslog.2", "syslog.snap"):
+        del theirs[name]
+        os.unlink(tmp_path / name)
+    with BackgroundService.start(HEADER, ServiceConfig(journal=path, snapshot_every=0)) as bg:
+        put_all(bg.producer, trace(100))
+    assert bg.service.journal_status().state == "closed"
+    assert list(RotatedJournal(path).events()) == trace(100)
+    assert {n: (tmp_path / n).read_bytes() for n in theirs} == theirs  # other names: left alone
+
+
+def test_temporary_files_have_unpredictable_names_and_are_never_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = str(tmp_path / "t.kvj")
+    # The names the temporary files used to have, planted (in /tmp, by another user) as links.
+    for k in range(8):
+        os.symlink(victim, segment_path(path, k) + ".tmp")
+    os.symlink(victim, snapshot_path(path) + ".tmp")
+    temps: list[str] = []
+
+    def recording(near: str) -> tuple[str, BinaryIO]:
+        tmp, file = _REAL_OPEN(near)
+        temps.append(os.path.basename(tmp))
+        return tmp, file
+
+    monkeypatch.setattr(service_mod, "_open_segment_file", recording)
+    events = trace(8000)
+    cfg = ServiceConfig(journal=path, batch_events=97, rotate_bytes=16 << 10, snapshot_every=2000)
+    with BackgroundService.start(HEADER, cfg) as bg:
+        put_all(bg.producer, events, pause_every=500)
+    assert bg.service.journal_status().state == "closed"
+    assert victim.read_bytes() == b"precious"
+    journal = RotatedJournal(path)
+    assert len(journal.segments) >= 3 and list(journal.events()) == events
+    assert 0 < read_snapshot(snapshot_path(path)).index <= len(events)
+    assert len(temps) == len(journal.segments) == len(set(temps))
+    assert all(re.fullmatch(r"\.t\.kvj(\.[0-9]+)?\.[0-9a-f]{16}\.tmp", t) for t in temps), temps
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # none left behind
+
+
+def test_a_restarted_service_keeps_the_previous_runs_journal_and_at_most_keep_runs(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.kvj")
+
+    def one_run(n: int) -> None:
+        cfg = ServiceConfig(journal=path, batch_events=97, rotate_bytes=16 << 10, snapshot_every=1000, keep_runs=2)
+        with BackgroundService.start(HEADER, cfg) as bg:
+            put_all(bg.producer, trace(n), pause_every=500)
+        assert bg.service.journal_status().state == "closed"
+
+    one_run(3000)
+    first = sorted(os.listdir(tmp_path))
+    assert len(first) >= 4  # segments and a snapshot
+    one_run(1000)  # the run that crashed is the one an operator needs: kept as run.kvj.run1
+    kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("run.kvj.run1"))
+    assert kept == sorted(n.replace("run.kvj", "run.kvj.run1", 1) for n in first)
+    assert list(RotatedJournal(path + ".run1.2").events()) == trace(3000)  # a journal of its own
+    ledger, rest, _ = resume(path + ".run1")
+    ledger.apply_all(rest)
+    assert ledger.index == 3000
+    assert list(RotatedJournal(path).events()) == trace(1000)
+    # Names in the runs' pattern that the service did not write are neither counted nor deleted.
+    (tmp_path / "run.kvj.run1.notes").write_bytes(b"an operator's notes")
+    (tmp_path / "run.kvj.run2.7").write_bytes(b"not a segment")
+    one_run(500)  # run.kvj.run3 (2 is taken), runs 3 and 1 kept
+    assert os.path.exists(path + ".run1") and os.path.exists(path + ".run3")
+    one_run(200)  # run.kvj.run4; keep_runs=2: run 1's files go
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("run.kvj.run1")) == ["run.kvj.run1.notes"]
+    assert (tmp_path / "run.kvj.run2.7").read_bytes() == b"not a segment"
+    for where, n in ((".run3", 1000), (".run4", 500), ("", 200)):
+        assert list(RotatedJournal(path + where).events()) == trace(n)
+
+
+def test_a_journal_another_running_service_writes_is_not_taken_over(tmp_path: Path) -> None:
+    path = str(tmp_path / "dp.kvj")  # two engines (data-parallel ranks) given one journal path
+    with BackgroundService.start(HEADER, ServiceConfig(journal=path)) as first:
+        put_all(first.producer, trace(100))
+        with BackgroundService.start(HEADER, ServiceConfig(journal=path)) as second:
+            put_all(second.producer, trace(50))
+        assert "another running ledger service is writing this journal" in _journal_off(second)
+        put_all(first.producer, trace(300)[100:])
+    assert first.service.journal_status().state == "closed"
+    assert list(RotatedJournal(path).events()) == trace(300)
+    assert sorted(os.listdir(tmp_path)) == ["dp.kvj"]
+
+
+def test_keep_runs_is_checked() -> None:
+    with pytest.raises(ConfigError, match="keep_runs=-1"):
+        ServiceConfig(keep_runs=-1)

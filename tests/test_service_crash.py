@@ -40,8 +40,8 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 class TearingFile:
     """Writes half of its ``tear_at``-th frame, then kills its process: an interrupted write."""
 
-    def __init__(self, path: str, tear_at: list[int]) -> None:
-        self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed through close()
+    def __init__(self, file: BinaryIO, tear_at: list[int]) -> None:
+        self._f = file
         self._tear_at = tear_at
 
     def write(self, data: Any) -> int:
@@ -61,8 +61,11 @@ def child(report_fd: int, path: str, tear_at: int | None) -> NoReturn:
         if tear_at is not None:
             left = [tear_at]
 
-            def tearing(path: str) -> BinaryIO:
-                return cast(BinaryIO, TearingFile(path, left))
+            real_open = service_mod._open_segment_file
+
+            def tearing(near: str) -> tuple[str, BinaryIO]:
+                tmp, file = real_open(near)
+                return tmp, cast(BinaryIO, TearingFile(file, left))
 
             service_mod._open_segment_file = tearing
 

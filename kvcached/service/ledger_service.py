@@ -14,7 +14,9 @@ failing disk stops journaling with one log line while replica, live view and eng
 
 Files, for a journal at ``P``: segments ``P``, ``P.1``, ``P.2`` ..., each a complete journal
 (docs/trace-format.md) whose header ``meta`` adds ``segment`` and ``first_event`` (global index
-of its first event), made visible only once the header is written (temp file + rename).
+of its first event), made visible only once the header is written (a fresh temporary file, then
+linked to its name, never over an existing file). At start the previous run's files are kept
+as ``P.run<N>...`` and nothing the service did not write is touched (``journal_files``).
 ``P.snap`` is the latest snapshot, replaced by rename: a msgpack ``LedgerSnapshot`` (as
 ``kvreplay snapshot`` writes) of the ledger after events ``[0, index)``, written once those
 events are in the journal. Naming, the segment header and the snapshot writer come from
@@ -40,13 +42,14 @@ from typing import BinaryIO, Final, Literal
 
 import anyio
 
-from kvcached.errors import ConfigError, KvcachedError
+from kvcached.errors import ConfigError, JournalWriteError, KvcachedError
 from kvcached.ledger.events import Event, Gap, Header
-from kvcached.ledger.files import FileId, fsync_dir
+from kvcached.ledger.files import FileId, create_temp, discard, fsync_dir, install
 from kvcached.ledger.journal import JournalWriter, encode_batch
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.segments import segment_header, segment_path, snapshot_path, write_snapshot
 from kvcached.ledger.state import LedgerSnapshot
+from kvcached.service import journal_files
 from kvcached.service.live import LiveServer
 from kvcached.service.messages import HandoffStatus, JournalStatus
 
@@ -75,6 +78,7 @@ class ServiceConfig:
     socket: str | None = None  # live view socket; None: no live view
     live_queue: int = 256  # batches queued per tail client before it counts as stopped reading
     on_durable: Callable[[int], None] | None = None  # gets the durable event count, on the loop; never raise
+    keep_runs: int = 3  # earlier runs' journals kept beside it (P.run<N>, ...); 0: the previous run's is deleted
 
     def __post_init__(self) -> None:
         try:  # the string a setting or a caller gives is accepted too
@@ -83,7 +87,8 @@ class ServiceConfig:
             raise ConfigError(f"ledger service: durability {self.durability!r}: use none, interval or batch") from None
         bad = [f"{k}={getattr(self, k)}" for k in ("capacity", "batch_events", "live_queue") if getattr(self, k) < 1]
         bad += [f"{k}={getattr(self, k)}" for k in ("fsync_interval", "flush_interval") if getattr(self, k) <= 0]
-        bad += [f"{k}={getattr(self, k)}" for k in ("rotate_bytes", "snapshot_every") if getattr(self, k) < 0]
+        nonneg = ("rotate_bytes", "snapshot_every", "keep_runs")
+        bad += [f"{k}={getattr(self, k)}" for k in nonneg if getattr(self, k) < 0]
         if bad:
             raise ConfigError(f"ledger service: {', '.join(bad)}: out of range")
         if self.snapshot_every and not self.replica:
@@ -340,12 +345,12 @@ class LedgerService:
     def _open_first(self) -> None:
         base = self.config.journal
         assert base is not None
-        folder, name = os.path.split(os.path.abspath(base))
-        # Segments and snapshots of an earlier journal at this path would be read as ours.
-        for entry in os.listdir(folder):
-            rest = entry[len(name) + 1 :] if entry.startswith(name + ".") else ""
-            if rest.isdigit() or rest in ("snap", "snap.tmp") or (rest.endswith(".tmp") and rest[:-4].isdigit()):
-                os.unlink(os.path.join(folder, entry))
+        # Nothing beside the journal is replaced or deleted unless this service wrote it; the
+        # previous run's files are kept under P.run<N> (journal_files explains the rules).
+        kept, pruned = journal_files.claim(base, self.config.keep_runs)
+        if kept is not None:
+            gone = f"; the files of {pruned} older run(s) were deleted (keep_runs={self.config.keep_runs})"
+            log.info("kvcached: the previous run's journal is kept as %s%s", kept, gone if pruned else "")
         self._writer = self._open_segment(0)
         self._state = "writing"
         if self._start is not None:  # a journal that starts mid-run is replayable only from it
@@ -355,18 +360,22 @@ class LedgerService:
         base = self.config.journal
         assert base is not None
         path = segment_path(base, k)
-        tmp = path + ".tmp"
         header = segment_header(self.header, k, self.index)
-        file = _open_segment_file(tmp)
+        # A fresh file under an unpredictable name, given the segment's name only once its
+        # header is written, and never over a file that already has that name.
+        tmp, file = _open_segment_file(path)
         try:
+            journal_files.lock(file)
             writer = JournalWriter(file, path, header)
             if self.config.durability is not Durability.NONE:
                 writer.fsync()
-            os.replace(tmp, path)
-        except BaseException:
+            install(tmp, path)
+        except BaseException as exc:
             file.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            discard(tmp)
+            if isinstance(exc, FileExistsError):
+                what = "exists already and this service did not write it: not replacing it"
+                raise JournalWriteError(f"{path}: {what}") from None
             raise
         if self.config.durability is not Durability.NONE:
             fsync_dir(path)
@@ -420,9 +429,10 @@ class LedgerService:
             self._state = "closed"
 
 
-def _open_segment_file(path: str) -> BinaryIO:
-    # Unbuffered: a frame reaches the kernel in one write (see JournalWriter). Tests replace this.
-    return open(path, "wb", buffering=0)
+def _open_segment_file(near: str) -> tuple[str, BinaryIO]:
+    # A new temporary file beside the segment, unbuffered: a frame reaches the kernel in one
+    # write (see JournalWriter). Tests replace this to wrap the file.
+    return create_temp(near)
 
 
 class BackgroundService:
