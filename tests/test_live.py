@@ -385,3 +385,32 @@ def test_kvctl_errors_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Cap
         assert kvctl.main(["--socket", path, "why", "123456"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("kvctl: the ledger service refused the request: why: page 123456")
+
+
+def kvctl_exit(argv: list[str]) -> int:
+    """kvctl's exit status, whether ``main`` returns it or argparse raises it."""
+    try:
+        return kvctl.main(argv, out=io.StringIO())
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        *((["--timeout", t, "status"], "argument --timeout") for t in ("-1", "0", "nan", "inf", "1e300", "soon")),
+        (["why", str(2**64)], "argument page"),  # was msgspec's OverflowError
+        (["why", "-1"], "argument page"),
+        (["pins", "--limit", "-1"], "argument --limit"),  # was "every pin"
+        (["tail", "--count", "0"], "argument --count"),  # was a wait for a batch that is then not shown
+        (["bogus"], "invalid choice"),
+    ],
+)
+def test_kvctl_refuses_bad_arguments_in_one_line_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], expect: str
+) -> None:
+    path = sock_path(tmp_path)
+    with BackgroundService.start(HEADER, ServiceConfig(socket=path)):  # a live service: nothing else fails first
+        assert kvctl_exit(["--socket", path, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvctl") and expect in err and "Traceback" not in err, err

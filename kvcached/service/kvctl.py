@@ -5,7 +5,9 @@ waits), so it has to answer fast and never add noise: it speaks the live view's 
 the service's Unix socket with a plain blocking socket (no event loop to start), prints a rich
 table when a person is watching and plain aligned columns when the output goes to a pipe or a
 file, and turns every failure (no service, a stale socket, permission denied, a refused request)
-into one line on stderr and exit status 2, never a traceback. The socket is ``--socket PATH``,
+into one line on stderr and exit status 2, never a traceback; a malformed argument too (a
+timeout of ``-1``, ``nan``, ``inf`` or ``1e300``, a page beyond what the protocol carries), as
+argparse does but without the usage block. The socket is ``--socket PATH``,
 else ``$KVCACHED_LEDGER_SOCKET``, else the only socket in the default directory.
 
     kvctl pins [--limit N] [--json]    page, pin kind, job or request, since build, waiting workers
@@ -19,8 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Callable, Sequence
+from typing import Final, NoReturn, TextIO
 
 import msgspec
 
@@ -29,6 +31,8 @@ from kvcached.ledger.events import describe
 from kvcached.service import live, messages
 
 _PINS_HEAD = ("page", "pin", "job or request", "since build", "waiting workers")
+MAX_TIMEOUT: Final = 86_400.0  # a day: longer is a typo (and 1e300 overflows the socket's timeval)
+_MAX_INT: Final = 2**63 - 1  # the largest integer msgpack carries signed: the request's page and limit
 
 
 def _pin_cells(row: messages.PinRow) -> tuple[str, str, str, str, str]:
@@ -174,21 +178,53 @@ def cmd_tail(path: str, args: argparse.Namespace, out: TextIO) -> int:
 COMMANDS = {"pins": cmd_pins, "status": cmd_status, "why": cmd_why, "tail": cmd_tail}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, but a usage error is one line on stderr and exit status 2, like every other
+    kvctl failure (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see kvctl --help)\n")
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < v <= MAX_TIMEOUT:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0 and at most {MAX_TIMEOUT:g}")
+    return v
+
+
+def _whole(low: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= v <= _MAX_INT:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what} from {low} to {_MAX_INT}")
+        return v
+
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvctl", description="Ask a running engine's kvcached ledger service.")
+    ap = _Parser(prog="kvctl", description="Ask a running engine's kvcached ledger service.")
     ap.add_argument("--socket", metavar="PATH", help=f"the service's socket (default: ${live.SOCKET_ENV})")
-    ap.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
+    limits = f"default 10, at most {MAX_TIMEOUT:g}"
+    ap.add_argument("--timeout", type=_seconds, default=10.0, help=f"seconds to wait for an answer ({limits})")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pins", help="every pin: page, kind, job or request, since build, waiting workers")
-    p.add_argument("--limit", type=int, help="show at most N pins")
+    p.add_argument("--limit", type=_whole(0, "a number of pins"), help="show at most N pins")
     p.add_argument("--json", action="store_true")
     s = sub.add_parser("status", help="pages, jobs, journal and hand-off at a glance")
     s.add_argument("--json", action="store_true")
     w = sub.add_parser("why", help="everything that keeps one page")
-    w.add_argument("page", type=int)
+    w.add_argument("page", type=_whole(0, "a page number"))
     w.add_argument("--json", action="store_true")
     t = sub.add_parser("tail", help="events as the service journals them (Ctrl-C to stop)")
-    t.add_argument("--count", type=int, help="stop after N events")
+    t.add_argument("--count", type=_whole(1, "a number of events"), help="stop after N events")
     return ap
 
 
