@@ -7,9 +7,12 @@ wraps the scheduler's live ``BlockPool`` instance (vLLM's classes stay untouched
 * a block is *held* by kvcached while vLLM uses it or while it sits in the prefix cache (free
   but cached, or released with ``unpin_blocks``, which stays readable until reused): a page
   with a cached block must stay mapped, or a prefix hit would read zeros;
-* ``get_new_blocks`` takes blocks from kvcached's manager first (partly used pages first; the
-  manager maps pages as needed and within its memory limit), and only then evicts cached
-  blocks in vLLM's own LRU order, so prefix caching and eviction behave as in vLLM;
+* ``get_new_blocks`` chooses blocks from kvcached's manager first (partly used pages first; the
+  manager maps pages as needed and within its memory limit), and only then cached blocks in
+  vLLM's own LRU order, so prefix caching and eviction behave as in vLLM. It moves its choice
+  to the head of vLLM's free queue and lets vLLM's own ``get_new_blocks`` hand it out, so
+  eviction from the prefix cache, reuse watchers, reference counts and metrics stay vLLM's
+  code (the seam and the private names it cannot avoid are in ``vllm_internals``);
 * a block freed without a hash, evicted, or dropped by a prefix-cache reset goes back to the
   manager: one ``BlockFree``, and its page goes when the ledger allows;
 * ``get_num_free_blocks`` counts what can really be handed out: the manager's available
@@ -26,6 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..kv_cache_manager import KVCacheManager
 from ..ledger.events import PrefixCacheReset
+from . import vllm_internals
 
 log = logging.getLogger("kvcached.vllm_bridge")
 
@@ -40,39 +44,31 @@ class PageAwarePool:
         # Held blocks with ref_cnt 0 that vLLM may evict, oldest first (vLLM's LRU order).
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self._orig: dict[str, Callable[..., Any]] = {}
-        self._in_reset = False
+        # While vLLM's own code runs (its reset, its get_new_blocks), it checks its free count
+        # against its own queue, which holds every free block, kvcached's or not.
+        self._native = False
 
     # --- the wrapped calls --------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        if self._in_reset:  # vLLM's reset checks "every block is free" against its own queue
+        if self._native:
             return int(self.pool.free_block_queue.num_free_blocks)
         return self.manager.available_size() + len(self.evictable)
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        pool, queue = self.pool, self.pool.free_block_queue
+        blocks = self.pool.blocks
         take = min(num_blocks, self.manager.available_size())
-        ids = self.manager.alloc(take) if take else []
-        ret = [pool.blocks[b] for b in ids]
-        for block in ret:
-            queue.remove(block)
-        while len(ret) < num_blocks:  # evict cached blocks, least recently used first
+        chosen = [blocks[b] for b in self.manager.alloc(take)] if take else []
+        while len(chosen) < num_blocks:  # evict cached blocks, least recently used first
             b, _ = self.evictable.popitem(last=False)
-            block = pool.blocks[b]
-            queue.remove(block)
-            ret.append(block)
-        if pool._reuse_watchers:
-            pool._notify_reuse(ret)
-        for block in ret:
-            if pool.enable_caching:
-                pool._maybe_evict_cached_block(block)
-            assert block.ref_cnt == 0, f"block {block.block_id} handed out while in use"
-            block.ref_cnt = 1
-            if pool.metrics_collector:
-                pool.metrics_collector.on_block_allocated(block)
-        return ret
+            chosen.append(blocks[b])
+        self._native = True
+        try:
+            return vllm_internals.hand_out(self.pool, chosen, self._orig["get_new_blocks"])
+        finally:
+            self._native = False
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
@@ -109,11 +105,11 @@ class PageAwarePool:
         self.manager.free(gone)
 
     def reset_prefix_cache(self) -> bool:
-        self._in_reset = True
+        self._native = True
         try:
             ok = bool(self._orig["reset_prefix_cache"]())
         finally:
-            self._in_reset = False
+            self._native = False
         if ok:
             gone = list(self.evictable)
             self.evictable.clear()
@@ -127,12 +123,11 @@ class PageAwarePool:
         if cap is None or len(self.evictable) <= cap:
             return
         gone = []
+        evict = self._orig["evict_blocks"]  # vLLM's: drops the hashes, with its events and metrics
         while len(self.evictable) > cap:
             b, _ = self.evictable.popitem(last=False)
-            block = self.pool.blocks[b]
-            if self.pool._reuse_watchers:
-                self.pool._notify_reuse([block])
-            self.pool._maybe_evict_cached_block(block)
+            vllm_internals.notify_reuse(self.pool, [self.pool.blocks[b]])
+            evict({b})
             gone.append(b)
         self.manager.free(gone)
 
@@ -153,6 +148,9 @@ def install_page_aware_pool(
 ) -> PageAwarePool:
     """Back ``scheduler``'s block pool with ``manager``; call before the first request."""
     pool = scheduler.kv_cache_manager.block_pool
+    if getattr(pool, "_kvcached_pool", None) is not None:
+        raise ConfigError("kvcached's page-aware pool is already installed on this block pool")
+    vllm_internals.check(pool)
     if pool.num_gpu_blocks != manager.geometry.num_blocks:
         raise ConfigError(
             f"vLLM's block pool has {pool.num_gpu_blocks} blocks, kvcached's manager {manager.geometry.num_blocks}"

@@ -1,4 +1,5 @@
-"""The page-aware pool over vLLM's real BlockPool: ids from kvcached, prefix caching kept."""
+"""The page-aware pool over vLLM's real BlockPool: ids from kvcached, prefix caching kept, and
+vLLM's own code handing the blocks out."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 vllm_block_pool = pytest.importorskip("vllm.v1.core.block_pool")
 pytestmark = pytest.mark.vllm
 
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector  # noqa: E402
+
 from kvcached.backends.host import HostBackend  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
 from kvcached.ledger.events import BuildBoundary  # noqa: E402
@@ -17,11 +20,15 @@ from kvcached.vllm_bridge.block_pool import install_page_aware_pool  # noqa: E40
 PAGE = 64 * 1024
 
 
-def setup(num_blocks: int = 32, caching: bool = True):
-    pool = vllm_block_pool.BlockPool(num_gpu_blocks=num_blocks, enable_caching=caching, hash_block_size=16)
+def setup(num_blocks: int = 32, caching: bool = True, **kw):
+    metrics = kw.pop("metrics_collector", None)
+    pool = vllm_block_pool.BlockPool(
+        num_gpu_blocks=num_blocks, enable_caching=caching, hash_block_size=16, metrics_collector=metrics
+    )
     geo = KVGeometry(num_blocks=num_blocks, block_bytes=16 * 1024, page_bytes=PAGE)  # 4 blocks a page
     m = KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE))
-    wrapper = install_page_aware_pool(SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)), m)
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool))
+    wrapper = install_page_aware_pool(scheduler, m, **kw)
     return pool, m, wrapper
 
 
@@ -85,3 +92,39 @@ def test_a_lowered_limit_is_seen_by_the_scheduler() -> None:
     assert pool.get_num_free_blocks() == 8 - 1  # two pages, minus the null block
     with pytest.raises(ValueError):
         pool.get_new_blocks(8)
+
+
+def test_new_blocks_are_handed_out_by_vllms_own_code() -> None:
+    """kvcached chooses the blocks; vLLM's get_new_blocks hands them out (its metrics see them)."""
+    metrics = KVCacheMetricsCollector(sample_rate=1.0)
+    pool, _, _ = setup(metrics_collector=metrics)
+    a = pool.get_new_blocks(5)
+    assert ids(a) == [1, 2, 3, 4, 5] and all(b.ref_cnt == 1 for b in a)
+    assert set(metrics.block_metrics) == {1, 2, 3, 4, 5}  # vLLM's on_block_allocated ran
+    assert pool.free_block_queue.num_free_blocks == 32 - 6
+    with pytest.raises(ValueError, match="Cannot get 27 free blocks"):
+        pool.get_new_blocks(27)
+
+
+def test_a_reused_block_tells_its_watcher_through_vllms_code() -> None:
+    """A block released with unpin_blocks stays readable until reused; handing it out (as the
+    last evictable block) runs vLLM's own notification."""
+    pool, _, w = setup(num_blocks=8)
+    a = pool.get_new_blocks(7)
+    reused = []
+    pool.unpin_blocks([a[0]], reused.append)
+    assert list(w.evictable) == [a[0].block_id]
+    (b,) = pool.get_new_blocks(1)
+    assert b is a[0] and reused == [a[0]]
+
+
+def test_the_cache_cap_evicts_and_tells_watchers() -> None:
+    pool, m, w = setup(max_cached_blocks=1)
+    a = pool.get_new_blocks(3)
+    reused = []
+    pool.unpin_blocks([a[0]], reused.append)  # oldest evictable, being read until reused
+    cache(pool, a[1:])
+    pool.free_blocks(a[1:])  # three evictable, cap 1: the two oldest give their pages back
+    assert reused == [a[0]] and a[1].block_hash is None and a[2].block_hash is not None
+    assert list(w.evictable) == [a[2].block_id]
+    assert m.num_allocated == 2  # the null block and a[2]
