@@ -120,6 +120,6 @@ def stores_built_after_finish(events: Sequence[Event]) -> list[tuple[int, int]]:
 
 
 def test_the_case_2_watch_sees_case_2() -> None:
-    from kvcached.testing.seed_cases import last_block_next_build
+    from kvcached.testing.seed_cases import finished_store_next_build
 
-    assert stores_built_after_finish(last_block_next_build().events) == [(1, 0)]
+    assert stores_built_after_finish(finished_store_next_build().events) == [(1, 0)]
