@@ -12,7 +12,9 @@ import pytest
 # vLLM loads its plugins in this process too (EngineArgs.create_engine_config does): a developer's
 # ENABLE_KVCACHED=1 would patch vLLM's allocation here, and the tests that compare kvcached's
 # allocation with vLLM's own would compare kvcached with itself. Servers get their own settings.
-for _name in [n for n in os.environ if n == "ENABLE_KVCACHED" or n.startswith("KVCACHED_")]:
+# KVCACHED_CAPTURE_DIR is the tests' own (scripts/regen-golden.sh keeps the served journals there).
+_KEEP = {"KVCACHED_CAPTURE_DIR"}
+for _name in [n for n in os.environ if n == "ENABLE_KVCACHED" or (n.startswith("KVCACHED_") and n not in _KEEP)]:
     del os.environ[_name]
 
 
