@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import os
+import select
 import socket
 import stat
 import struct
@@ -414,3 +415,120 @@ def test_kvctl_refuses_bad_arguments_in_one_line_with_exit_2(
         assert kvctl_exit(["--socket", path, *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvctl") and expect in err and "Traceback" not in err, err
+
+
+# --- many, idle and slow clients (issue 13 item 7) ------------------------------------------------
+
+
+def _idle(path: str, n: int, first: bytes = b"") -> list[socket.socket]:
+    """``n`` connections that send ``first`` (nothing, or part of a request) and then nothing."""
+    conns = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(path)
+        if first:
+            s.sendall(first)
+        conns.append(s)
+    return conns
+
+
+def test_idle_and_half_sent_connections_do_not_lock_out_the_operator(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    with BackgroundService.start(HEADER, ServiceConfig(socket=path)):
+        idle = _idle(path, 60) + _idle(path, 10, first=b"\x00\x00")  # 70: more than the 64 places
+        try:
+            time.sleep(0.2)
+            for _ in range(3):  # the operator asks, again and again, while they hold on
+                started = time.monotonic()
+                rc, text = kvctl_run("--socket", path, "--timeout", "10", "status")
+                assert rc == 0 and "live view" in text
+                assert time.monotonic() - started < 5
+            more = _idle(path, 70)  # and a fresh wave of idle ones
+            rc, _ = kvctl_run("--socket", path, "status")
+            assert rc == 0
+        finally:
+            for s in idle + locals().get("more", []):
+                s.close()
+
+
+def test_200_concurrent_clients_each_get_an_answer_or_the_error_reply(tmp_path: Path) -> None:
+    """200 clients connect, and once all are connected each asks and reads: 200 connections
+    open together. Each reads an answer or the error reply: never a reset, a broken pipe or a
+    bare close (the old server answered the 65th and later "too many clients" and closed at
+    once, so most of them then wrote to a closed connection)."""
+    path = sock_path(tmp_path)
+    outcomes: list[str] = []
+    with BackgroundService.start(HEADER, ServiceConfig(socket=path)):
+        connected = threading.Barrier(200, timeout=30)
+
+        def client(k: int) -> None:
+            op: Literal["status", "pins"] = "status" if k % 2 else "pins"
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(30)
+                    s.connect(path)
+                    connected.wait()
+                    s.sendall(messages.frame(messages.Request(op=op)))
+                    head = s.recv(4, socket.MSG_WAITALL)
+                    if len(head) < 4:
+                        outcomes.append("closed without a reply")
+                        return
+                    (n,) = struct.unpack(">I", head)
+                    reply = msgspec.msgpack.decode(s.recv(n, socket.MSG_WAITALL), type=messages.Reply)
+                    outcomes.append("error reply" if isinstance(reply, messages.ErrorReply) else "answer")
+            except threading.BrokenBarrierError:
+                outcomes.append("never all connected")
+            except OSError as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(200)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        for t in threads:
+            t.join(max(0.1, deadline - time.monotonic()))
+    failed = [o for o in outcomes if o not in ("answer", "error reply")]
+    assert len(outcomes) == 200 and not failed, (len(failed), sorted(set(failed)))
+
+
+def test_tail_streams_leave_room_for_requests_and_the_one_too_many_gets_a_reply(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    tails: list[socket.socket] = []
+    with BackgroundService.start(HEADER, ServiceConfig(socket=path)):
+        try:
+            for _ in range(64):  # as many tails as there are places: not all are given one
+                tails += _idle(path, 1, first=messages.frame(messages.Request(op="tail")))
+            time.sleep(0.3)
+            rc, text = kvctl_run("--socket", path, "status")
+            assert rc == 0, text
+            # The refused ones have their reply and then the end waiting; the streaming ones nothing.
+            readable, _, _ = select.select(tails, [], [], 1.0)
+            for s in readable:  # a refused tail reads its reply, then the end: never a reset
+                s.settimeout(5)
+                (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+                reply = msgspec.msgpack.decode(s.recv(n, socket.MSG_WAITALL), type=messages.Reply)
+                assert isinstance(reply, messages.ErrorReply) and "too many tail streams" in reply.message
+                assert s.recv(1) == b""
+            assert len(readable) == 32  # half the places stream, the others stay for requests
+        finally:
+            for s in tails:
+                s.close()
+
+
+async def test_a_connection_that_sends_no_request_is_closed_soon(tmp_path: Path) -> None:
+    path = sock_path(tmp_path)
+    async with running(tmp_path) as svc:
+        other = str(tmp_path / "run" / "quick.sock")
+        server = live.LiveServer(svc, other, request_timeout=0.3, idle_timeout=30)
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            async with await anyio.connect_unix(other) as stream:
+                with anyio.fail_after(5):
+                    started = anyio.current_time()
+                    with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                        await stream.receive()
+                    assert anyio.current_time() - started < 2  # the request timeout, not the idle one
+            assert isinstance(await call(other, messages.Request(op="status")), messages.StatusReply)
+            tg.cancel_scope.cancel()
+        assert isinstance(await call(path, messages.Request(op="status")), messages.StatusReply)

@@ -24,7 +24,7 @@ import socket
 import stat
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import anyio
 import anyio.abc
@@ -130,34 +130,98 @@ class _Tail:
         self.send, self.scope = send, scope
 
 
+class _Conn:
+    """One connection's place: its cancel scope (to let it go) and since when it waits for a
+    request (None while a request is answered or a tail streams: then it is not idle)."""
+
+    __slots__ = ("scope", "waiting_since")
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.waiting_since: float | None = None
+
+
 class LiveServer:
-    """Serves the live view of ``service`` on ``path`` (run with ``await tg.start(server.serve)``)."""
+    """Serves the live view of ``service`` on ``path`` (run with ``await tg.start(server.serve)``).
+
+    At most ``max_clients`` connections are held, of which at most ``max_tails`` tail streams,
+    so that requests always have room. When every place is taken, the server does not refuse
+    the newcomer: it stops accepting (the newcomer waits in the kernel's listen queue, in turn)
+    and lets go of the connection that has waited longest for a request, once that one has
+    waited ``evict_after`` seconds, so a few idle or slow clients cannot lock out the operator
+    and a kvctl that is answered late is still answered. A connection must deliver its first
+    request within ``request_timeout`` and each later one within ``idle_timeout``. An error
+    reply (a tail too many, a malformed request) follows the request read whole, so the peer
+    reads the reply and then the end of the connection, not a reset; only a request declared
+    larger than ``MAX_REQUEST`` is left unread.
+    """
 
     def __init__(
-        self, service: LiveSource, path: str, *, max_clients: int = 64, client_queue: int = 256,
-        send_timeout: float = 5.0, idle_timeout: float = 60.0,
+        self, service: LiveSource, path: str, *, max_clients: int = 64, max_tails: int | None = None,
+        client_queue: int = 256, send_timeout: float = 5.0, idle_timeout: float = 60.0,
+        request_timeout: float = 5.0, evict_after: float = 1.0,
     ) -> None:
+        if max_clients < 2:
+            raise ConfigError(f"the live view needs room for at least 2 clients, not {max_clients}")
         self.service, self.path = service, path
         self.max_clients, self.client_queue = max_clients, client_queue
+        self.max_tails = max_clients // 2 if max_tails is None else min(max_tails, max_clients - 1)
         self.send_timeout, self.idle_timeout = send_timeout, idle_timeout
-        self.clients = 0
-        self.dropped_clients = 0
+        self.request_timeout, self.evict_after = request_timeout, evict_after
+        self.dropped_clients = 0  # tail clients that stopped reading
+        self.evicted_clients = 0  # idle connections let go to make room
+        self._conns: list[_Conn] = []  # in the order accepted: the oldest first
+        self._freed: anyio.Event | None = None
         self._tails: list[_Tail] = []
         self._decoder = msgspec.msgpack.Decoder(Request)
         self._pins_cache: tuple[tuple[int, int], list[PinRow]] | None = None
 
+    @property
+    def clients(self) -> int:
+        return len(self._conns)
+
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         prepare_socket_path(self.path)
+        # anyio's default backlog, which the kernel caps at net.core.somaxconn (4096 on current
+        # kernels): while every place is taken, that queue is where newcomers wait their turn.
         listener = await anyio.create_unix_listener(self.path, mode=0o600)
         self.service.listeners.append(self._broadcast)
         try:
             task_status.started()
-            async with listener:
-                await listener.serve(self._handle)
+            async with listener, anyio.create_task_group() as tg:
+                while True:
+                    await self._make_room()
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:  # out of file descriptors, a peer gone before accept
+                        log.warning("kvcached: ledger live view: accept failed: %s", exc)
+                        await anyio.sleep(0.1)
+                        continue
+                    conn = _Conn()
+                    self._conns.append(conn)
+                    tg.start_soon(self._handle, stream, conn)
         finally:
             self.service.listeners.remove(self._broadcast)
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+
+    async def _make_room(self) -> None:
+        """Return once a connection may be taken: a free place, or the longest idle one let go."""
+        while len(self._conns) >= self.max_clients:
+            now = anyio.current_time()
+            idle = [c for c in self._conns if c.waiting_since is not None]
+            oldest = min(idle, key=lambda c: c.waiting_since or 0.0) if idle else None
+            waited = 0.0 if oldest is None or oldest.waiting_since is None else now - oldest.waiting_since
+            if oldest is not None and waited >= self.evict_after:
+                self._conns.remove(oldest)
+                oldest.scope.cancel()
+                self.evicted_clients += 1
+                continue
+            # Until a place frees, or the oldest idle one has waited long enough (no idle one:
+            # every place answers or streams; requests finish within send_timeout).
+            self._freed = anyio.Event()
+            with anyio.move_on_after(self.evict_after - waited):
+                await self._freed.wait()
 
     def _broadcast(self, first: int, payload: bytes) -> None:
         if not self._tails:
@@ -175,42 +239,50 @@ class LiveServer:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 self._tails.remove(tail)
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
-        self.clients += 1
+    async def _handle(self, stream: anyio.abc.SocketStream, conn: _Conn) -> None:
         try:
             async with stream:
-                if self.clients > self.max_clients:
-                    await self._send(stream, ErrorReply(f"too many clients (at most {self.max_clients})"))
-                    return
-                await self._converse(stream)
+                with conn.scope:
+                    await self._converse(stream, conn)
         except Exception as exc:  # a bug here must cost one connection, never the server
             if not _client_gone(exc):
                 log.exception("kvcached: ledger live view: a request failed")
         finally:
-            self.clients -= 1
+            if conn in self._conns:
+                self._conns.remove(conn)
+            if self._freed is not None:
+                self._freed.set()
 
-    async def _converse(self, stream: anyio.abc.SocketStream) -> None:
+    async def _converse(self, stream: anyio.abc.SocketStream, conn: _Conn) -> None:
         buffered = BufferedByteReceiveStream(stream)
+        timeout = self.request_timeout  # the first request comes at once (kvctl sends on connect)
         while True:
             body: bytes | None = None
-            with anyio.move_on_after(self.idle_timeout):
+            conn.waiting_since = anyio.current_time()
+            with anyio.move_on_after(timeout):
                 try:
                     (size,) = LEN.unpack(await buffered.receive_exactly(LEN.size))
                     if size > MAX_REQUEST:
                         # Not read: whatever follows the length cannot be trusted to be a request.
+                        conn.waiting_since = None
                         await self._send(stream, ErrorReply(f"request of {size} bytes exceeds {MAX_REQUEST}"))
                         return
                     body = await buffered.receive_exactly(size)
                 except anyio.IncompleteRead:
                     return
+            conn.waiting_since = None
             if body is None:
-                return  # idle too long: a connection is a task, not free
+                return  # no request in time: a connection is a place, not free
+            timeout = self.idle_timeout
             try:
                 request = self._decoder.decode(body)
             except msgspec.DecodeError as exc:
                 await self._send(stream, ErrorReply(f"malformed request: {exc}"))
                 return
             if request.op == "tail":
+                if len(self._tails) >= self.max_tails:
+                    await self._send(stream, ErrorReply(f"too many tail streams (at most {self.max_tails}); try later"))
+                    return
                 await self._tail(stream, buffered)
                 return
             reply = self.answer(request)
@@ -319,19 +391,32 @@ def find_socket(path: str | None = None) -> str:
 
 
 def _connect(path: str, timeout: float) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(path)
-    except OSError as exc:
-        sock.close()
-        why = {
-            FileNotFoundError: "no such socket (is the engine running with the ledger service?)",
-            ConnectionRefusedError: "nothing listens there (a socket left by a stopped engine)",
-            PermissionError: "permission denied (the socket belongs to another user)",
-        }.get(type(exc), exc.strerror or str(exc))
-        raise LiveViewError(f"cannot reach the ledger service at {path}: {why}") from None
-    return sock
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            return sock
+        except BlockingIOError:
+            # EAGAIN: the service's listen queue is full (it takes connections as places free):
+            # a Unix socket with a timeout does not wait for room, so wait here, within the timeout.
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise LiveViewError(f"{path}: the ledger service is busy: no connection in {timeout:g} s") from None
+            time.sleep(0.01)
+        except OSError as exc:
+            sock.close()
+            _unreachable(path, exc)
+
+
+def _unreachable(path: str, exc: OSError) -> NoReturn:
+    why = {
+        FileNotFoundError: "no such socket (is the engine running with the ledger service?)",
+        ConnectionRefusedError: "nothing listens there (a socket left by a stopped engine)",
+        PermissionError: "permission denied (the socket belongs to another user)",
+    }.get(type(exc), exc.strerror or str(exc))
+    raise LiveViewError(f"cannot reach the ledger service at {path}: {why}") from None
 
 
 def _receive(sock: socket.socket, path: str) -> Reply:
