@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import itertools
 import json
@@ -532,3 +533,27 @@ async def test_a_connection_that_sends_no_request_is_closed_soon(tmp_path: Path)
             assert isinstance(await call(other, messages.Request(op="status")), messages.StatusReply)
             tg.cancel_scope.cancel()
         assert isinstance(await call(path, messages.Request(op="status")), messages.StatusReply)
+
+
+async def test_an_accept_error_does_not_end_the_live_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of file descriptors (EMFILE) at accept: a warning and the server goes on (anyio's
+    ``Listener.serve`` let it out, which ended the service's task group)."""
+    real = anyio.create_unix_listener
+
+    async def flaky_listener(*args: Any, **kwargs: Any) -> Any:
+        listener = await real(*args, **kwargs)
+        accept, failures = listener.accept, [OSError(errno.EMFILE, "Too many open files")]
+
+        async def flaky_accept() -> Any:
+            if failures:
+                raise failures.pop()
+            return await accept()
+
+        listener.accept = flaky_accept  # type: ignore[method-assign]
+        return listener
+
+    monkeypatch.setattr(anyio, "create_unix_listener", flaky_listener)
+    path = sock_path(tmp_path)
+    with anyio.fail_after(10):
+        async with running(tmp_path):
+            assert isinstance(await call(path, messages.Request(op="status")), messages.StatusReply)
