@@ -27,14 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcached.backends.host import HostBackend
-from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
-from kvcached.ledger.events import Header, PoolGeometry
-from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.recorder import Recorder
-from kvcached.service.ledger_service import BackgroundService, ServiceConfig
+from kvcached.kv_cache_manager import KVGeometry
+from kvcached.service.ledger_service import ServiceConfig
 from kvcached.testing.harness import Harness, HarnessConfig
-from kvcached.vllm_bridge.block_pool import install_page_aware_pool
-from kvcached.vllm_bridge.bridge import install_bridge
+from kvcached.vllm_bridge.engine import EngineConfig, assemble
 
 CFG = HarnessConfig(
     max_num_seqs=256, max_num_batched_tokens=8192, num_gpu_blocks=8192, max_model_len=2048, cpu_bytes_to_use=64 << 20
@@ -70,20 +66,12 @@ def run_variant(variant: str, steps: int, tmp: str) -> float:
         if variant == "vllm":
             return
         g = KVGeometry(num_blocks=CFG.num_gpu_blocks, block_bytes=state["block_bytes"], page_bytes=2 << 20)
-        header = Header(page_bytes=g.page_bytes, pools=(PoolGeometry(g.block_bytes, g.num_blocks),))
-        sink = None
-        if variant.endswith("+journal"):
-            bg = BackgroundService.start(header, ServiceConfig(journal=f"{tmp}/{variant}.kvj"))
-            state["bg"] = bg
-            sink = bg.producer
-        recorder = Recorder(Ledger(header), sink=sink)
-        state["recorder"] = recorder
-        if variant.startswith("kvcached"):
-            backend = HostBackend(page_bytes=g.page_bytes)
-            state["backend"] = backend
-            m = KVCacheManager(g, backend, recorder, max_reserved=8)
-            install_page_aware_pool(scheduler, m, max_cached_blocks=None)
-        install_bridge(scheduler, recorder)
+        paged = variant.startswith("kvcached")
+        journal = ServiceConfig(journal=f"{tmp}/{variant}.kvj") if variant.endswith("+journal") else None
+        backends = [HostBackend(page_bytes=g.page_bytes)] if paged else []
+        state["backends"] = backends
+        config = EngineConfig(page_aware=paged, max_reserved_pages=8, journal_service=journal)
+        state["engine"] = assemble(scheduler, g, backends, config)
 
     def memory(num_blocks: int, block_bytes: int) -> Any:
         import torch
@@ -106,13 +94,11 @@ def run_variant(variant: str, steps: int, tmp: str) -> float:
             h.step()
         return timer.total / steps * 1e3
     finally:
-        if "recorder" in state:
-            state["recorder"].close()
-        if "bg" in state:
-            state["bg"].close()
+        if "engine" in state:
+            state["engine"].close()
         h.close()
-        if "backend" in state:
-            state["backend"].close()
+        for b in state.get("backends", ()):
+            b.close()
 
 
 def main() -> int:

@@ -21,13 +21,9 @@ from typing import Any
 import torch
 
 from kvcached.backends.host import HostBackend
-from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
-from kvcached.ledger.events import Header, PoolGeometry
-from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.recorder import Recorder
+from kvcached.kv_cache_manager import KVGeometry
 from kvcached.testing.harness import Harness, HarnessConfig
-from kvcached.vllm_bridge.block_pool import install_page_aware_pool
-from kvcached.vllm_bridge.bridge import install_bridge
+from kvcached.vllm_bridge.engine import EngineConfig, assemble
 
 CFG = HarnessConfig(max_num_seqs=32, max_num_batched_tokens=1024, num_gpu_blocks=1024, max_model_len=2048)
 # The harness's tiny model has 4 KiB blocks; pages of 16 blocks keep the block-to-page ratio of a
@@ -57,12 +53,9 @@ def run(paged: bool, seed: int, steps: int, max_cached_blocks: int | None = None
             return
         bb = state["block_bytes"]
         g = KVGeometry(num_blocks=CFG.num_gpu_blocks, block_bytes=bb, page_bytes=bb * PAGE_BLOCKS)
-        rec = Recorder(Ledger(Header(page_bytes=g.page_bytes, pools=(PoolGeometry(g.block_bytes, g.num_blocks),))))
         backend = HostBackend(page_bytes=g.page_bytes)
         state["backend"] = backend
-        m = KVCacheManager(g, backend, rec, max_reserved=0)
-        state["pool"] = install_page_aware_pool(scheduler, m, max_cached_blocks=max_cached_blocks)
-        install_bridge(scheduler, rec)
+        state["engine"] = assemble(scheduler, g, [backend], EngineConfig(max_cached_blocks=max_cached_blocks))
 
     h = Harness(CFG, kv_memory=memory, on_scheduler_built=built)
     h._forward = lambda rank, so: None  # type: ignore[method-assign]  # bytes do not matter here
@@ -76,9 +69,11 @@ def run(paged: bool, seed: int, steps: int, max_cached_blocks: int | None = None
             h.step()
             counts.append(empty_pages(h.scheduler.kv_cache_manager.block_pool, state["page_blocks"]))
             del i
-        assert not paged or state["pool"].pool is h.scheduler.kv_cache_manager.block_pool
+        assert not paged or state["engine"].pool.pool is h.scheduler.kv_cache_manager.block_pool
         return counts
     finally:
+        if "engine" in state:
+            state["engine"].close()
         h.close()
         if "backend" in state:
             state["backend"].close()

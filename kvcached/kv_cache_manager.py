@@ -258,7 +258,8 @@ class KVCacheManager:
             heapq.heappush(self._partial, page)
         for page in fresh:
             self._partial_free -= len(self._free_in.pop(page, ()))
-            self.allocator.release_page(page)
+        if fresh:
+            self.allocator.release_pages(fresh)
 
     def free(self, blocks: list[int] | tuple[int, ...]) -> None:
         """Return blocks; pages left empty go back to the allocator (kept until the ledger agrees)."""
@@ -290,7 +291,12 @@ class KVCacheManager:
         self._partial_free += len(blocks)
         for page in emptied:
             self._partial_free -= len(self._free_in.pop(page))
-            self.allocator.release_page(page)
+        if emptied:
+            self.allocator.release_pages(emptied)
+
+    def drain_releasable(self) -> None:
+        """After an event recorded outside the manager (the bridge's): give back the pages it let go."""
+        self.allocator.drain_releasable()
 
     # --- memory limit -------------------------------------------------------------------------
 

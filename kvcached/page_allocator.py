@@ -4,10 +4,17 @@ A page is *free* (unmapped: its memory belongs to the GPU, for another model), *
 (mapped but holding no block: ready to hand out without paying for a map) or *in use* (the
 KV cache manager has blocks on it). Mapping is cheap to decide and expensive to do, unmapping
 is the reverse: it is only safe when the ledger says so. So the allocator never unmaps on its
-own judgement: it unmaps a reserved page only when the page is in the ledger's releasable set
-and it has a reason to give memory back (more reserved pages than
-``KVCACHED_MAX_RESERVED_PAGES``, or more mapped pages than the memory limit). It learns that a
-page became releasable from the recorder, whatever event caused it.
+own judgement: it unmaps a reserved page only when the ledger has let it go and it has a reason
+to give memory back (more reserved pages than ``KVCACHED_MAX_RESERVED_PAGES``, or more mapped
+pages than the memory limit).
+
+It learns which pages the ledger lets go one way: by draining the ledger's queue of pages that
+became releasable (``Ledger.take_fresh_releasable``), as vLLM's scheduler drains its block
+pool's KV event queue (``BlockPool.take_events``) instead of being called back. It drains at
+the points where its view and the ledger's agree, so that a releasable page is a reserved one:
+after each event recorded outside it (the bridge calls ``drain_releasable``), when the manager's
+free has emptied pages, and when the limit changes. It is never called from inside
+``Recorder.emit``, so its own events (``PageUnmapped``) are never emitted from inside another.
 
 A memory limit lowered below what is mapped starts a *shrink*: no page is mapped, reserved
 pages go as soon as the ledger lets them, pages in use when their blocks are freed. Reserved
@@ -19,6 +26,8 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 import msgspec
@@ -26,6 +35,8 @@ import msgspec
 from .errors import BackendError, KvcachedError
 from .ledger.events import MemoryLimit, PageMapped, PageUnmapped
 from .ledger.recorder import Recorder
+
+_NONE: frozenset[int] = frozenset()
 
 
 class OutOfPagesError(KvcachedError):
@@ -88,7 +99,6 @@ class PageAllocator:
         self._in_use: set[int] = set()
         # Reserved pages the ledger lets go: the only pages _trim may unmap.
         self._goable: set[int] = set()
-        recorder.subscribe(self._on_releasable)
 
     # --- counts -------------------------------------------------------------------------------
 
@@ -132,13 +142,18 @@ class PageAllocator:
         self._top_up()
         return page
 
-    def release_page(self, page: int) -> None:
-        """The manager's last block on ``page`` was freed: keep it in reserve until it may go."""
-        self._in_use.remove(page)
-        self._reserved.add(page)
-        if self.ledger.is_releasable(self.base + page):
-            self._goable.add(page)
-        self._trim()
+    def release_pages(self, pages: Sequence[int]) -> None:
+        """The manager's last blocks on ``pages`` were freed (its ``BlockFree`` is recorded): keep
+        each in reserve until it may go, and give back what the limits ask, page by page."""
+        # Drained before the pages join the reserve: the free that emptied them may be what
+        # made them releasable (no pins, or the legacy policy), and it is in this drain.
+        fresh = self._drain()
+        for page in pages:
+            self._in_use.remove(page)
+            self._reserved.add(page)
+            if page in fresh:
+                self._goable.add(page)
+            self._trim()
 
     def _map_new(self) -> int:
         if not self._free or self.mapped >= self.limit:
@@ -156,24 +171,39 @@ class PageAllocator:
         return page
 
     def _top_up(self) -> None:
-        """Keep ``min_reserved`` pages mapped ahead of demand, within the limit."""
+        """Keep ``min_reserved`` pages mapped ahead of demand, within the limit.
+
+        Whether a page mapped here may go again is the ledger's to say, at the next drain."""
         while len(self._reserved) < self.min_reserved and self._free and self.mapped < self.limit:
             try:
                 page = self._map_new()
             except BackendError:
                 return  # a reserve is an optimisation; the next alloc will report the failure
             self._reserved.add(page)
-            if self.ledger.is_releasable(self.base + page):
-                self._goable.add(page)
 
     # --- giving memory back -------------------------------------------------------------------
 
-    def _on_releasable(self, pages: list[int]) -> None:
-        base, end = self.base, self.base + self.num_pages
-        for gp in pages:
-            if base <= gp < end and (gp - base) in self._reserved:
-                self._goable.add(gp - base)
-        self._trim()
+    def drain_releasable(self) -> None:
+        """Learn from the ledger which reserved pages may go now, and give back what the limits
+        ask. Call it after recording an event that the allocator did not make (the bridge does,
+        after each of its events): the ledger queues the pages an event lets go until then."""
+        fresh = self._drain()
+        if fresh:
+            self._trim()
+
+    def _drain(self) -> AbstractSet[int]:
+        """Take the ledger's queue; note the reserved pages in it, return all of this range's.
+
+        A releasable page that is not reserved is one the manager has just emptied (see
+        ``release_pages``) or one handed out whose ``BlockAlloc`` is not recorded yet; the
+        latter comes back through the queue when its blocks are next freed."""
+        ledger = self.ledger
+        if not ledger.has_fresh_releasable:  # the common case, after nearly every event
+            return _NONE
+        base, n = self.base, self.num_pages
+        fresh = {gp - base for gp in ledger.take_fresh_releasable() if 0 <= gp - base < n}
+        self._goable |= fresh & self._reserved
+        return fresh
 
     def _trim(self) -> None:
         while self._goable and (len(self._reserved) > self.max_reserved or self.mapped > self.limit):
@@ -191,6 +221,7 @@ class PageAllocator:
         """Lower or raise the limit; a lowered limit shrinks now as far as the ledger allows."""
         self.limit = max(0, min(pages, self.num_pages))
         self.recorder.emit(MemoryLimit(self.limit))
+        self._drain()  # reserve topped up since the last drain
         self._trim()
         if not self.shrinking:
             self._top_up()

@@ -12,6 +12,7 @@ from kvcached.errors import BackendError, ConfigError
 from kvcached.kv_cache_manager import BlockStateError, KVCacheManager, KVGeometry, Layout, OutOfBlocksError
 from kvcached.ledger.events import (
     BuildBoundary,
+    Event,
     JobBuilt,
     JobKind,
     JobReported,
@@ -57,6 +58,12 @@ def consistent(m: KVCacheManager) -> None:
     assert m.num_allocated == sum(m._allocated) == sum(m._used)
     for page, free in m._free_in.items():
         assert len(free) + m._used[page] == len(m._blocks_of(page))
+
+
+def record(m: KVCacheManager, event: Event) -> None:
+    """Record an event from outside the manager as the bridge does: emit, then let pages go."""
+    m.recorder.emit(event)
+    m.drain_releasable()
 
 
 def late_copy(m: KVCacheManager, block: int) -> torch.Tensor:
@@ -124,7 +131,7 @@ def test_every_step_is_a_ledger_event(make, tmp_path) -> None:
     try:
         blocks = m.alloc(5)
         m.free(blocks)
-        m.recorder.emit(BuildBoundary(0))
+        record(m, BuildBoundary(0))
         m.recorder.close()
     finally:
         m.backend.close()
@@ -142,16 +149,16 @@ def test_every_step_is_a_ledger_event(make, tmp_path) -> None:
 def test_late_copy_of_a_freed_block(make, policy: str) -> None:
     """Seed case 1 on real memory: the store is submitted after the request freed its blocks."""
     m = make(policy)
-    rec, ledger = m.recorder, m.recorder.ledger
+    ledger = m.recorder.ledger
     blocks = m.alloc(4)  # exactly one page
     for b in blocks:
         write(m, b, 0x5A)
-    rec.emit(JobBuilt(0, STORE, 0, (tuple(blocks),), 1))
-    rec.emit(BuildBoundary(0))
+    record(m, JobBuilt(0, STORE, 0, (tuple(blocks),), 1))
+    record(m, BuildBoundary(0))
     m.free(blocks)  # the one-token request finished
     copied = [late_copy(m, b) for b in blocks]  # the worker submits the store now
-    rec.emit(BuildBoundary(1))
-    rec.emit(JobReported(0, 1))
+    record(m, BuildBoundary(1))
+    record(m, JobReported(0, 1))
     intact = all(bool((c == 0x5A).all()) for c in copied)
     if policy == "legacy":
         assert not intact  # the page went back to the OS: the copy read zeros
@@ -164,19 +171,18 @@ def test_late_copy_of_a_freed_block(make, policy: str) -> None:
 
 def test_pins_keep_the_page_until_the_ledger_releases_it(make) -> None:
     m = make("ledger")
-    rec = m.recorder
     blocks = m.alloc(4)
     for b in blocks:
         write(m, b, 7)
-    rec.emit(JobBuilt(1, STORE, 0, (tuple(blocks),), 2))  # two workers
+    record(m, JobBuilt(1, STORE, 0, (tuple(blocks),), 2))  # two workers
     m.free(blocks)
     for step in range(3):
-        rec.emit(BuildBoundary(step))  # grace long over
+        record(m, BuildBoundary(step))  # grace long over
         assert m.backend.is_mapped(0)
         assert bool((late_copy(m, blocks[0]) == 7).all())
-    rec.emit(JobReported(1, 1))
+    record(m, JobReported(1, 1))
     assert m.backend.is_mapped(0)  # one worker still copying
-    rec.emit(JobReported(1, 1))
+    record(m, JobReported(1, 1))
     assert not m.backend.is_mapped(0)
     assert bool((late_copy(m, blocks[0]) == 0).all())
 
@@ -190,7 +196,7 @@ def test_unmapped_memory_really_goes_back(make) -> None:
             write(m, b, 1)
         full = m.backend.resident_bytes()
         m.free(blocks)
-        m.recorder.emit(BuildBoundary(0))
+        record(m, BuildBoundary(0))
         assert full >= 32 << 20
         assert m.backend.resident_bytes() <= full - (30 << 20)
     finally:
@@ -200,12 +206,12 @@ def test_unmapped_memory_really_goes_back(make) -> None:
 def test_window_holds_keep_freed_window_blocks(make) -> None:
     m = make("ledger")
     blocks = m.alloc(4)
-    m.recorder.emit(WindowHold(3, 0, tuple(blocks)))
+    record(m, WindowHold(3, 0, tuple(blocks)))
     m.free(blocks)
     for step in range(5):
-        m.recorder.emit(BuildBoundary(step))
+        record(m, BuildBoundary(step))
     assert m.backend.is_mapped(0)
-    m.recorder.emit(RequestFinished(3))
+    record(m, RequestFinished(3))
     assert not m.backend.is_mapped(0)
 
 
@@ -218,7 +224,7 @@ def test_min_and_max_reserved_pages(make) -> None:
     assert m.state().reserved == 2 and m.backend.mapped_count == 3
     more = m.alloc(16)  # pages 0-4 in use
     m.free(blocks + more)
-    m.recorder.emit(BuildBoundary(0))
+    record(m, BuildBoundary(0))
     st = m.state()
     assert st.in_use == 0 and st.reserved == 3  # kept up to max_reserved for reuse
 
@@ -231,9 +237,9 @@ def test_lowering_the_limit_waits_on_pins_and_finishes_as_they_drop(make) -> Non
     rec = m.recorder
     a = m.alloc(8)  # pages 0, 1
     b = m.alloc(8)  # pages 2, 3
-    rec.emit(JobBuilt(5, STORE, 0, (tuple(b),), 1))
+    record(m, JobBuilt(5, STORE, 0, (tuple(b),), 1))
     m.free(b)
-    rec.emit(BuildBoundary(0))  # pages 2, 3 reserved, still pinned by job 5
+    record(m, BuildBoundary(0))  # pages 2, 3 reserved, still pinned by job 5
     st = m.set_limit_pages(2)
     assert st.shrink_pending
     assert st.waiting_on == {"reserved, pinned by job": 2}
@@ -243,7 +249,7 @@ def test_lowering_the_limit_waits_on_pins_and_finishes_as_they_drop(make) -> Non
     with pytest.raises(OutOfBlocksError, match="shrink pending"):
         m.alloc(9)
     assert m.backend.mapped_count == 4
-    rec.emit(JobReported(5, 1))
+    record(m, JobReported(5, 1))
     st = m.state()
     assert not st.shrink_pending and st.mapped == 2
     assert rec.ledger.violations == []
@@ -256,17 +262,17 @@ def test_pinned_pages_stay_in_service_during_a_shrink_p2(make) -> None:
     m = make("ledger", max_reserved=8)
     rec = m.recorder
     a = m.alloc(16)  # pages 0-3
-    rec.emit(WindowHold(7, 0, tuple(a[8:])))  # request 7's window blocks on pages 2, 3
+    record(m, WindowHold(7, 0, tuple(a[8:])))  # request 7's window blocks on pages 2, 3
     m.free(a)  # request 7 preempted: all its blocks freed
-    rec.emit(BuildBoundary(0))
+    record(m, BuildBoundary(0))
     st = m.set_limit_pages(1)
     assert st.shrink_pending and st.waiting_on == {"reserved, pinned by window": 2}
     assert m.state().mapped == 2  # pages 0, 1 went at once
     again = m.alloc(8)  # the request resumes on the pinned pages: no new map
     assert {m.page_of(b) for b in again} == {2, 3} and m.backend.mapped_count == 2
-    rec.emit(WindowRelease(7))  # matching dropped its old block lists
+    record(m, WindowRelease(7))  # matching dropped its old block lists
     m.free(again)
-    rec.emit(BuildBoundary(1))
+    record(m, BuildBoundary(1))
     assert m.state().mapped == 1 and not m.state().shrink_pending
     assert rec.ledger.violations == []
 
@@ -277,7 +283,7 @@ def test_shrink_below_pages_in_use_completes_when_blocks_are_freed(make) -> None
     st = m.set_limit_pages(1)
     assert st.waiting_on == {"in use (blocks allocated)": 3}
     m.free(a)
-    m.recorder.emit(BuildBoundary(0))
+    record(m, BuildBoundary(0))
     assert m.state().mapped == 1 and not m.state().shrink_pending
 
 
@@ -339,7 +345,7 @@ def test_per_layer_layout_maps_a_page_in_every_layer(make) -> None:
         m.block_view(b, layer).fill_(layer + 1)
     assert [int(m.block_view(b, layer)[0]) for layer in range(3)] == [1, 2, 3]
     m.free([b])
-    m.recorder.emit(BuildBoundary(0))
+    record(m, BuildBoundary(0))
     assert m.backend.mapped_count == 0
 
 
@@ -380,3 +386,88 @@ def test_settings_from_env_and_their_errors() -> None:
     with pytest.raises(ConfigError, match="ENABLE_KVCACHED"):
         Settings.from_env({"ENABLE_KVCACHED": "maybe"})
     assert Settings.from_env(dict(os.environ)).page_bytes > 0
+
+
+# --- how the allocator learns which pages may go --------------------------------------------------
+
+
+def test_no_event_is_emitted_from_inside_another(make) -> None:
+    """The recorder calls nobody back: a PageUnmapped comes after the emit that let its page go
+    has returned (it used to be emitted by a recorder listener, from inside that emit)."""
+    m = make("ledger", max_reserved=1)
+    depth, nested = [0], []
+    real_emit = m.recorder.emit
+
+    def emit(event: Event) -> None:
+        if depth[0]:
+            nested.append(type(event).__name__)
+        depth[0] += 1
+        try:
+            real_emit(event)
+        finally:
+            depth[0] -= 1
+
+    m.recorder.emit = emit  # type: ignore[method-assign]
+    a = m.alloc(12)  # pages 0-2
+    record(m, JobBuilt(0, STORE, 0, (tuple(a[:8]),), 1))
+    m.free(a)
+    record(m, BuildBoundary(0))  # grace ends: page 2 may go (pages 0, 1 wait on job 0)
+    record(m, JobReported(0, 1))  # pages 0, 1 may go
+    m.set_limit_pages(0)
+    assert m.backend.mapped_count == 0 and m.recorder.ledger.unmaps == 3
+    assert nested == []
+
+
+def test_an_event_lets_pages_go_only_when_the_allocator_drains(make) -> None:
+    m = make("ledger")
+    m.free(m.alloc(4))
+    m.recorder.emit(BuildBoundary(0))  # grace ends: the ledger lets page 0 go ...
+    assert m.backend.is_mapped(0)  # ... but the recorder told nobody
+    m.drain_releasable()
+    assert not m.backend.is_mapped(0)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_pages_emptied_by_one_free_go_in_the_order_they_emptied(make, tmp_path, order) -> None:
+    """Under legacy the free itself lets the pages go; each is given back as it joins the reserve.
+    (Draining page by page would lose the second page: the first drain takes both.)"""
+    path = str(tmp_path / "j.kvj")
+    m = KVCacheManager.standalone(geometry(), HostBackend(page_bytes=PAGE), policy="legacy", journal_path=path)
+    try:
+        a = m.alloc(8)  # pages 0, 1
+        m.free([b for p in order for b in a if m.page_of(b) == p])
+        assert m.backend.mapped_count == 0
+        m.recorder.close()
+    finally:
+        m.backend.close()
+    unmapped = [e.page for e in read_journal(path).events if type(e).__name__ == "PageUnmapped"]
+    assert unmapped == list(order)
+
+
+def test_a_page_mapped_by_a_failed_alloc_goes_back(make, monkeypatch) -> None:
+    """The rolled-back page was mapped and recorded, then nothing went on it: it may go, though
+    no event was recorded between its map and its return."""
+    m = make("ledger")
+    kept = m.alloc(4)  # page 0, full
+    real = HostBackend._map
+
+    def fail_on_page_2(self: HostBackend, index: int) -> None:
+        if index == 2:
+            raise BackendError("injected: map failed")
+        real(self, index)
+
+    monkeypatch.setattr(HostBackend, "_map", fail_on_page_2)
+    with pytest.raises(BackendError, match="injected"):
+        m.alloc(8)  # page 1 maps, page 2 fails: page 1 comes back empty
+    assert m.backend.mapped_count == 1 and m.recorder.ledger.mapped_pages == 1
+    assert m.state().reserved == 0
+    consistent(m)
+    m.free(kept)
+    assert m.recorder.ledger.violations == []
+
+
+def test_a_reserve_topped_up_by_an_alloc_is_given_back_by_a_lowered_limit(make) -> None:
+    m = make("ledger", min_reserved=2, max_reserved=2)
+    m.alloc(1)  # page 0 in use, pages 1, 2 reserved (mapped, nothing recorded on them since)
+    st = m.set_limit_pages(1)
+    assert st.mapped == 1 and not st.shrink_pending

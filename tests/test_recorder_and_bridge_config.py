@@ -59,3 +59,13 @@ def test_the_bridge_refuses_a_scheduler_without_the_offloading_connector(connect
         install_bridge(scheduler, Recorder.for_header(HEADER, journal_path=""))
     msg = str(e.value)
     assert "\n" not in msg and "OffloadingConnector" in msg and "disable kvcached" in msg
+
+
+def test_an_engine_journals_inline_or_through_the_service_not_both() -> None:
+    from kvcached.service.ledger_service import ServiceConfig
+    from kvcached.vllm_bridge.engine import EngineConfig
+
+    with pytest.raises(ConfigError, match="not both"):
+        EngineConfig(journal_path="a.kvj", journal_service=ServiceConfig(journal="b.kvj"))
+    with pytest.raises(ConfigError, match="max_cached_blocks"):
+        EngineConfig(max_cached_blocks=-1)

@@ -1,17 +1,17 @@
-"""The live path of the ledger: every producer (allocator, vLLM bridge) emits through here.
+"""The live path of the ledger: every producer (allocator, manager, vLLM bridge) emits through here.
 
 Emitting applies the event to the ledger first, so the ledger is never behind the engine, and
-then hands it to the journal if one is attached. A journal that fails (disk full, file gone)
-is dropped with one log line and serving goes on: losing the trace is better than losing the
-server. The allocator subscribes to learn that pages became releasable because of an event it
-did not emit itself (a build boundary, a job report), so that it can give them back at once.
+then hands it to the journal if one is attached; that is all it does. It calls nobody back, so
+no event is ever emitted from inside another's emit: the allocator learns which pages an event
+let go by draining the ledger's queue of them afterwards (``PageAllocator.drain_releasable``).
+A journal that fails (disk full, file gone) is dropped with one log line and serving goes on:
+losing the trace is better than losing the server.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Protocol
 
 from ..errors import JournalWriteError
@@ -41,7 +41,6 @@ class Recorder:
         self.sink = sink  # e.g. BackgroundService(...).producer: journaled by the service instead
         self._batch = batch
         self._pending: list[Event] = []
-        self._listeners: list[Callable[[list[int]], None]] = []
 
     @classmethod
     def for_header(cls, header: Header, *, journal_path: str | None = None, batch: int = 256) -> Recorder:
@@ -50,23 +49,14 @@ class Recorder:
         journal = JournalWriter.create(path, header) if path else None
         return cls(Ledger(header), journal, batch=batch)
 
-    def subscribe(self, listener: Callable[[list[int]], None]) -> None:
-        """Call ``listener(pages)`` after any event that made ``pages`` releasable."""
-        self._listeners.append(listener)
-
     def emit(self, event: Event) -> None:
-        ledger = self.ledger
-        ledger.apply(event)
+        self.ledger.apply(event)
         if self.sink is not None:
             self.sink.put(event)
         elif self.journal is not None:
             self._pending.append(event)
             if len(self._pending) >= self._batch:
                 self.flush()
-        if ledger._fresh:
-            pages = ledger.take_fresh_releasable()
-            for listener in self._listeners:
-                listener(pages)
 
     def flush(self) -> None:
         if self.journal is None or not self._pending:

@@ -10,8 +10,10 @@ With it, three of vLLM's functions are wrapped in that process, vLLM's files sta
   (``kv_memory``), with the shapes and strides vLLM's own allocation gives them;
 * ``Scheduler.__init__`` (engine core): the scheduler's block pool becomes page-aware, backed by
   a kvcached manager over the worker's range, the OffloadingConnector gets the bridge, and with
-  ``KVCACHED_LEDGER_JOURNAL`` the ledger's events are journaled; ``Scheduler.shutdown`` closes
-  the journal. The engine core logs one line saying kvcached is active and with what.
+  ``KVCACHED_LEDGER_JOURNAL`` the ledger's events are journaled (all of it built by
+  ``vllm_bridge.engine.assemble``, as the scenarios and benchmarks build it);
+  ``Scheduler.shutdown`` closes the journal. The engine core logs one line saying kvcached is
+  active and with what.
 
 The settings are upstream kvcached's variables (``settings.Settings``); a malformed one is
 refused like an unsupported setup.
@@ -26,16 +28,12 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, KvcachedError
-from ..kv_cache_manager import KVCacheManager
-from ..ledger.events import Header
-from ..ledger.ledger import Ledger
-from ..ledger.recorder import Recorder
-from ..service.ledger_service import BackgroundService, ServiceConfig
+from ..service.ledger_service import ServiceConfig
 from ..settings import Settings
+from ..vllm_bridge.engine import EngineConfig, assemble
 from . import checks, kv_memory
 
 log = logging.getLogger("vllm.kvcached")  # a child of vLLM's logger: vLLM's format and handlers
-KVCACHED_VERSION = "0.1.0.dev0"
 _ALLOC_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
 
 _installed: Settings | None = None
@@ -145,42 +143,30 @@ class EngineState:
     """What kvcached holds in the engine-core process for one scheduler."""
 
     def __init__(self, scheduler: Any, settings: Settings) -> None:
-        from ..vllm_bridge.block_pool import install_page_aware_pool
-        from ..vllm_bridge.bridge import install_bridge
-
         cfg = scheduler.kv_cache_config
         plan = kv_memory.plan(cfg, settings.page_bytes)
         backend = kv_memory.attach(plan, key=kv_memory.engine_key())
         geometry = plan.geometry
-        header = Header(
-            page_bytes=geometry.page_bytes,
-            pools=(geometry.pool(),),
-            workers=int(scheduler.vllm_config.parallel_config.world_size),
-            policy=settings.policy,
-            producer={"vllm": _vllm_version(), "kvcached": KVCACHED_VERSION},
-        )
+        block_size = int(scheduler.cache_config.block_size)
+        cap = None if settings.max_cached_tokens is None else settings.max_cached_tokens // block_size
         # The journal is written by the ledger service's thread, off the scheduler's path, within
         # ``flush_interval`` of each event: vLLM kills the engine core at shutdown without
         # calling the scheduler's shutdown, so nothing may wait for a final flush.
-        self.service: BackgroundService | None = None
-        sink = None
+        service = None
         if settings.journal:
-            self.service = BackgroundService.start(
-                header, ServiceConfig(journal=settings.journal, replica=False, snapshot_every=0, flush_interval=0.005)
-            )
-            sink = self.service.producer
-        self.recorder = Recorder(Ledger(header), sink=sink)
-        self.manager = KVCacheManager(
-            geometry,
-            backend,
-            self.recorder,
-            min_reserved=settings.min_reserved_pages,
-            max_reserved=settings.max_reserved_pages,
+            service = ServiceConfig(journal=settings.journal, replica=False, snapshot_every=0, flush_interval=0.005)
+        config = EngineConfig(
+            policy=settings.policy,
+            min_reserved_pages=settings.min_reserved_pages,
+            max_reserved_pages=settings.max_reserved_pages,
+            max_cached_blocks=cap,
+            journal_service=service,
         )
-        block_size = int(scheduler.cache_config.block_size)
-        cap = None if settings.max_cached_tokens is None else settings.max_cached_tokens // block_size
-        self.pool = install_page_aware_pool(scheduler, self.manager, max_cached_blocks=cap)
-        self.bridge = install_bridge(scheduler, self.recorder) if scheduler.connector is not None else None
+        self.engine = assemble(scheduler, geometry, (backend,), config)
+        self.recorder = self.engine.recorder
+        self.manager = self.engine.manager
+        self.pool = self.engine.pool
+        self.bridge = self.engine.bridge
         self._closed = False
         atexit.register(self.close)
         log.info(
@@ -189,7 +175,7 @@ class EngineState:
             geometry.page_bytes / (1 << 20),
             settings.policy.value,
             settings.journal or "off",
-            "on" if self.bridge is not None else "off",
+            "on" if self.engine.offloading else "off",
             plan.describe(),
         )
 
@@ -198,9 +184,7 @@ class EngineState:
             return
         self._closed = True
         try:
-            self.recorder.close()
-            if self.service is not None:
-                self.service.close()
+            self.engine.close()
         except KvcachedError as e:  # losing the trace must not fail the shutdown
             log.error("[kvcached] journal: %s", e)
 

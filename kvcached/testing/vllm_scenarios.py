@@ -28,18 +28,18 @@ import torch
 
 from kvcached.backends.host import HostBackend
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
-from kvcached.ledger.events import Header, Policy, PoolGeometry
+from kvcached.ledger.events import Policy
 from kvcached.ledger.ledger import Ledger
-from kvcached.ledger.recorder import Recorder
 from kvcached.testing.harness import Harness, HarnessConfig
-from kvcached.vllm_bridge.block_pool import PageAwarePool, install_page_aware_pool
-from kvcached.vllm_bridge.bridge import Bridge, install_bridge
+from kvcached.vllm_bridge.block_pool import PageAwarePool
+from kvcached.vllm_bridge.bridge import Bridge
+from kvcached.vllm_bridge.engine import Engine, EngineConfig, assemble
 
 PAGE_BLOCKS = 4  # blocks per kvcached page: small, so that pages empty out in small scenarios
 
 
 class Kvcached:
-    """kvcached under one harness: backends per rank, then manager, page-aware pool and bridge."""
+    """kvcached under one harness: backends per rank, then the engine ``assemble`` builds."""
 
     def __init__(self, policy: str, *, journal: str | None = None, max_reserved: int = 0) -> None:
         self.policy = Policy(policy)
@@ -47,9 +47,7 @@ class Kvcached:
         self.max_reserved = max_reserved
         self.backends: list[HostBackend] = []
         self.geometry: KVGeometry | None = None
-        self.manager: KVCacheManager | None = None
-        self.pool: PageAwarePool | None = None
-        self.bridge: Bridge | None = None
+        self.engine: Engine | None = None
 
     def kv_memory(self, num_blocks: int, block_bytes: int) -> torch.Tensor:
         if self.geometry is None:
@@ -64,31 +62,33 @@ class Kvcached:
         return backend.tensor()[: num_blocks * block_bytes].view(num_blocks, block_bytes)
 
     def on_scheduler_built(self, scheduler: Any) -> None:
-        g = self.geometry
-        assert g is not None, "kv_memory runs before the scheduler is built"
-        workers = int(scheduler.vllm_config.parallel_config.world_size)
-        header = Header(
-            page_bytes=g.page_bytes,
-            pools=(PoolGeometry(block_bytes=g.block_bytes, num_blocks=g.num_blocks),),
-            workers=workers,
-            policy=self.policy,
-            producer={"vllm": _vllm_version(), "kvcached": "0.1.0.dev0"},
+        assert self.geometry is not None, "kv_memory runs before the scheduler is built"
+        # Journaled inline: the same run gives the same bytes (the golden traces).
+        config = EngineConfig(
+            policy=self.policy, max_reserved_pages=self.max_reserved, max_cached_blocks=0, journal_path=self.journal
         )
-        recorder = Recorder.for_header(header, journal_path=self.journal) if self.journal else Recorder(Ledger(header))
-        self.manager = KVCacheManager(
-            g, self.backends[0], recorder, replicas=self.backends[1:], max_reserved=self.max_reserved
-        )
-        self.pool = install_page_aware_pool(scheduler, self.manager, max_cached_blocks=0)
-        self.bridge = install_bridge(scheduler, recorder)
+        self.engine = assemble(scheduler, self.geometry, self.backends, config)
+
+    @property
+    def manager(self) -> KVCacheManager | None:
+        return None if self.engine is None else self.engine.manager
+
+    @property
+    def pool(self) -> PageAwarePool | None:
+        return None if self.engine is None else self.engine.pool
+
+    @property
+    def bridge(self) -> Bridge | None:
+        return None if self.engine is None else self.engine.bridge
 
     @property
     def ledger(self) -> Ledger:
-        assert self.manager is not None
-        return self.manager.recorder.ledger
+        assert self.engine is not None
+        return self.engine.ledger
 
     def close(self) -> None:
-        if self.manager is not None:
-            self.manager.recorder.close()
+        if self.engine is not None:
+            self.engine.close()
         for b in self.backends:
             b.close()
 
@@ -114,12 +114,6 @@ class Outcome:
             f"{self.wrong_blocks:3} wrong ({self.zero_blocks} all-zero); violations: {v}; "
             f"pins left {self.pinned_pages_left}, jobs left {self.outstanding_jobs_left}"
         )
-
-
-def _vllm_version() -> str:
-    import vllm
-
-    return str(vllm.__version__)
 
 
 # A scenario's body drives the harness; what it returns is kept as the outcome's notes.

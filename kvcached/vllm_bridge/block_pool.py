@@ -17,6 +17,10 @@ wraps the scheduler's live ``BlockPool`` instance (vLLM's classes stay untouched
   manager: one ``BlockFree``, and its page goes when the ledger allows;
 * ``get_num_free_blocks`` counts what can really be handed out: the manager's available
   blocks plus the evictable cached ones (so a lowered memory limit is seen by the scheduler).
+
+The pool records no event of its own: the manager records the blocks it hands out and takes
+back, and the bridge records the prefix-cache reset (it wraps vLLM's reset underneath this
+pool, so that the reset comes before the frees it causes).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..kv_cache_manager import KVCacheManager
-from ..ledger.events import PrefixCacheReset
 from . import vllm_internals
 
 log = logging.getLogger("kvcached.vllm_bridge")
@@ -107,13 +110,13 @@ class PageAwarePool:
     def reset_prefix_cache(self) -> bool:
         self._native = True
         try:
+            # vLLM's reset, under the bridge's wrapper when there is one (PrefixCacheReset).
             ok = bool(self._orig["reset_prefix_cache"]())
         finally:
             self._native = False
         if ok:
             gone = list(self.evictable)
             self.evictable.clear()
-            self.manager.recorder.emit(PrefixCacheReset())
             self.manager.free(gone)
         return ok
 
@@ -146,7 +149,8 @@ WRAPPED = (
 def install_page_aware_pool(
     scheduler: Any, manager: KVCacheManager, *, max_cached_blocks: int | None = None
 ) -> PageAwarePool:
-    """Back ``scheduler``'s block pool with ``manager``; call before the first request."""
+    """Back ``scheduler``'s block pool with ``manager``; call before the first request (and
+    after ``install_bridge``, whose prefix-cache reset this pool's reset wraps)."""
     pool = scheduler.kv_cache_manager.block_pool
     if getattr(pool, "_kvcached_pool", None) is not None:
         raise ConfigError("kvcached's page-aware pool is already installed on this block pool")

@@ -1,4 +1,4 @@
-"""Ledger events from vLLM's OffloadingConnector, with vLLM left exactly as it is.
+"""Ledger events from vLLM's scheduler-side calls, with vLLM left exactly as it is.
 
 The connector copies blocks after vLLM has freed them (the seed's three cases), and vLLM only
 waits for such a copy when it reallocates a block. kvcached must therefore learn, from the
@@ -16,6 +16,13 @@ that one object; no class and no module of vLLM changes) and turns each call int
 * ``has_pending_push_work``: also true while grace pins still need a build to drain, so that
   an idle engine keeps stepping until every page the ledger holds can go.
 
+It also wraps the block pool's ``reset_prefix_cache`` (vLLM's own, underneath the page-aware
+pool) for ``PrefixCacheReset``, so that a reset is recorded before the frees it causes; an
+engine without a KV connector gets a bridge of that call alone (``offloading=False``). Each
+event has one source: these, the bridge's; blocks, the manager's; pages, the allocator's.
+After each event the bridge lets the allocator drain the pages it released
+(``KVCacheManager.drain_releasable``): the recorder calls nobody back.
+
 vLLM keeps one block pool for all KV groups (a block id names the same slot in every group's
 tensors), so the ledger sees a single pool, 0.
 """
@@ -32,6 +39,7 @@ from ..ledger.events import (
     JobBuilt,
     JobKind,
     JobReported,
+    PrefixCacheReset,
     RequestAdded,
     RequestFinished,
     RequestPreempted,
@@ -63,13 +71,22 @@ def _block_ids(spec: Any) -> tuple[int, ...]:
 
 
 class Bridge:
-    """Holds the wrapped connector's originals and the request-id interning."""
+    """Holds the wrapped calls' originals and the request-id interning."""
 
-    def __init__(self, connector: Any, recorder: Recorder, *, workers: int, windows: frozenset[int]) -> None:
-        self.connector = connector
+    def __init__(
+        self,
+        connector: Any | None,
+        recorder: Recorder,
+        *,
+        workers: int,
+        windows: frozenset[int],
+        drain: Callable[[], None] | None = None,
+    ) -> None:
+        self.connector = connector  # None: no KV connector, only the prefix-cache reset
         self.recorder = recorder
         self.workers = workers
         self.windows = windows
+        self._drain = drain
         self.build = 0
         self._req_ids: dict[str, int] = {}
         self._next_req = 0
@@ -84,11 +101,13 @@ class Bridge:
             r = self._next_req
             self._next_req += 1
             self._req_ids[request_id] = r
-            self.recorder.emit(RequestAdded(r, request_id))
+            self._emit(RequestAdded(r, request_id))
         return r
 
     def _emit(self, ev: Event) -> None:
         self.recorder.emit(ev)
+        if self._drain is not None:  # after the emit, never inside it
+            self._drain()
 
     # --- the wrapped calls --------------------------------------------------------------------
 
@@ -154,8 +173,16 @@ class Bridge:
     def has_pending_push_work(self) -> bool:
         return bool(self._orig["has_pending_push_work"]()) or self.recorder.ledger.pending_grace_pages() > 0
 
+    # --- the wrapped block pool call ------------------------------------------------------------
 
-WRAPPED = (
+    def reset_prefix_cache(self) -> bool:
+        ok = bool(self._orig["reset_prefix_cache"]())
+        if ok:
+            self._emit(PrefixCacheReset())
+        return ok
+
+
+CONNECTOR_CALLS = (
     "on_new_request",
     "get_num_new_matched_tokens",
     "build_connector_meta",
@@ -164,28 +191,45 @@ WRAPPED = (
 )
 
 
-def install_bridge(scheduler: Any, recorder: Recorder) -> Bridge:
-    """Wrap ``scheduler.connector`` (a scheduler-role OffloadingConnector) to feed ``recorder``.
+def install_bridge(
+    scheduler: Any, recorder: Recorder, *, drain: Callable[[], None] | None = None, offloading: bool = True
+) -> Bridge:
+    """Wrap ``scheduler.connector`` (a scheduler-role OffloadingConnector) and the block pool's
+    prefix-cache reset to feed ``recorder``; ``drain`` runs after each event (the manager's
+    ``drain_releasable``). ``offloading=False``: a scheduler without a KV connector, the reset only.
 
-    Refuses, with one line saying what to change, a scheduler without an OffloadingConnector or
-    with pipeline parallelism the bridge does not cover.
+    Refuses, with one line saying what to change, a scheduler without an OffloadingConnector
+    (unless ``offloading=False``), and a block pool already made page-aware (install the bridge
+    first, so that a reset is recorded before the frees the page-aware pool makes of it).
     """
-    connector = getattr(scheduler, "connector", None)
-    name = type(connector).__name__
-    if connector is None or name != "OffloadingConnector":
-        raise ConfigError(
-            f"kvcached's offloading bridge needs vLLM's OffloadingConnector as the only KV connector; "
-            f"this scheduler has {name if connector is not None else 'none'}: set "
-            "kv_transfer_config={'kv_connector': 'OffloadingConnector', ...} or disable kvcached"
-        )
-    if getattr(connector, "_kvcached_bridge", None) is not None:
-        raise ConfigError("kvcached's offloading bridge is already installed on this connector")
-    parallel = scheduler.vllm_config.parallel_config
-    bridge = Bridge(
-        connector, recorder, workers=int(parallel.world_size), windows=window_groups(scheduler.kv_cache_config)
-    )
-    for name in WRAPPED:
-        bridge._orig[name] = getattr(connector, name)
-        setattr(connector, name, getattr(bridge, name))
-    connector._kvcached_bridge = bridge
+    connector = getattr(scheduler, "connector", None) if offloading else None
+    if offloading:
+        name = type(connector).__name__
+        if connector is None or name != "OffloadingConnector":
+            raise ConfigError(
+                f"kvcached's offloading bridge needs vLLM's OffloadingConnector as the only KV connector; "
+                f"this scheduler has {name if connector is not None else 'none'}: set "
+                "kv_transfer_config={'kv_connector': 'OffloadingConnector', ...} or disable kvcached"
+            )
+        if getattr(connector, "_kvcached_bridge", None) is not None:
+            raise ConfigError("kvcached's offloading bridge is already installed on this connector")
+    pool = scheduler.kv_cache_manager.block_pool
+    if getattr(pool, "_kvcached_pool", None) is not None:
+        raise ConfigError("install kvcached's bridge before its page-aware pool (the pool's reset wraps the bridge's)")
+    if getattr(pool, "_kvcached_bridge", None) is not None:
+        raise ConfigError("kvcached's bridge is already installed on this block pool")
+    if connector is not None:
+        parallel = scheduler.vllm_config.parallel_config
+        workers, windows = int(parallel.world_size), window_groups(scheduler.kv_cache_config)
+    else:
+        workers, windows = 1, frozenset()
+    bridge = Bridge(connector, recorder, workers=workers, windows=windows, drain=drain)
+    if connector is not None:
+        for name in CONNECTOR_CALLS:
+            bridge._orig[name] = getattr(connector, name)
+            setattr(connector, name, getattr(bridge, name))
+        connector._kvcached_bridge = bridge
+    bridge._orig["reset_prefix_cache"] = pool.reset_prefix_cache
+    pool.reset_prefix_cache = bridge.reset_prefix_cache
+    pool._kvcached_bridge = bridge
     return bridge

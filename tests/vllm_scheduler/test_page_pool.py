@@ -13,23 +13,43 @@ pytestmark = pytest.mark.vllm
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector  # noqa: E402
 
 from kvcached.backends.host import HostBackend  # noqa: E402
+from kvcached.errors import ConfigError  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
-from kvcached.ledger.events import BuildBoundary  # noqa: E402
+from kvcached.ledger.events import BlockFree, BuildBoundary, PrefixCacheReset  # noqa: E402
 from kvcached.vllm_bridge.block_pool import install_page_aware_pool  # noqa: E402
+from kvcached.vllm_bridge.bridge import install_bridge  # noqa: E402
 
 PAGE = 64 * 1024
 
 
-def setup(num_blocks: int = 32, caching: bool = True, **kw):
+def setup(num_blocks: int = 32, caching: bool = True, *, bridge: bool = False, **kw):
     metrics = kw.pop("metrics_collector", None)
     pool = vllm_block_pool.BlockPool(
         num_gpu_blocks=num_blocks, enable_caching=caching, hash_block_size=16, metrics_collector=metrics
     )
     geo = KVGeometry(num_blocks=num_blocks, block_bytes=16 * 1024, page_bytes=PAGE)  # 4 blocks a page
     m = KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE))
-    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool))
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None)
+    if bridge:  # as an engine without a KV connector has it (vllm_bridge.engine.assemble)
+        install_bridge(scheduler, m.recorder, drain=m.drain_releasable, offloading=False)
     wrapper = install_page_aware_pool(scheduler, m, **kw)
     return pool, m, wrapper
+
+
+class Sink:
+    """The recorder's journal end, as a list of events."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def put(self, event) -> None:
+        self.events.append(event)
+
+
+def record(m, event) -> None:
+    """Record an event from outside the manager as the bridge does: emit, then let pages go."""
+    m.recorder.emit(event)
+    m.drain_releasable()
 
 
 def cache(pool, blocks) -> None:
@@ -50,7 +70,7 @@ def test_new_blocks_come_from_partly_used_pages_and_pages_empty_out() -> None:
     b = pool.get_new_blocks(4)
     assert {m.page_of(x) for x in ids(b)} == {1}
     pool.free_blocks(b)  # no hash: back to kvcached
-    m.recorder.emit(BuildBoundary(0))
+    record(m, BuildBoundary(0))
     assert m.backend.mapped_count == 1  # page 1 went back, page 0 still in use
     assert pool.get_num_free_blocks() == 32 - 4
     assert m.recorder.ledger.violations == []
@@ -61,7 +81,7 @@ def test_cached_blocks_keep_their_page_until_evicted_or_reset() -> None:
     a = pool.get_new_blocks(4)  # 1, 2, 3 on page 0; 4 on page 1
     cache(pool, a)
     pool.free_blocks(a)
-    m.recorder.emit(BuildBoundary(0))
+    record(m, BuildBoundary(0))
     assert m.backend.mapped_count == 2  # cached blocks hold their pages
     assert list(w.evictable) == [1, 2, 3, 4]
     pool.touch([a[0]])  # a prefix hit takes block 1 back
@@ -69,7 +89,7 @@ def test_cached_blocks_keep_their_page_until_evicted_or_reset() -> None:
     assert pool.reset_prefix_cache() is False  # block 1 is in use
     pool.free_blocks([a[0]])
     assert pool.reset_prefix_cache() is True
-    m.recorder.emit(BuildBoundary(1))
+    record(m, BuildBoundary(1))
     assert m.backend.mapped_count == 1 and w.evictable == {}
     assert m.recorder.ledger.violations == []
 
@@ -128,3 +148,22 @@ def test_the_cache_cap_evicts_and_tells_watchers() -> None:
     assert reused == [a[0]] and a[1].block_hash is None and a[2].block_hash is not None
     assert list(w.evictable) == [a[2].block_id]
     assert m.num_allocated == 2  # the null block and a[2]
+
+
+def test_a_prefix_cache_reset_is_recorded_by_the_bridge_before_the_frees_it_causes() -> None:
+    pool, m, _ = setup(bridge=True)
+    sink = Sink()
+    m.recorder.sink = sink
+    a = pool.get_new_blocks(4)
+    cache(pool, a)
+    pool.free_blocks(a)
+    assert pool.reset_prefix_cache() is True
+    assert sink.events[-2:] == [PrefixCacheReset(), BlockFree(0, tuple(ids(a)))]
+    assert m.recorder.ledger.prefix_cache_resets == 1
+
+
+def test_the_bridge_goes_on_before_the_page_aware_pool() -> None:
+    pool, m, _ = setup()
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None)
+    with pytest.raises(ConfigError, match="before its page-aware pool"):
+        install_bridge(scheduler, m.recorder, offloading=False)
