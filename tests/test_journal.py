@@ -499,6 +499,96 @@ def test_missing_file_is_a_journal_error(tmp_path: Path) -> None:
         JournalReader(tmp_path / "nope.kvj")
 
 
+def test_the_reader_opens_regular_files_only_and_never_blocks(tmp_path: Path) -> None:
+    # In a child process: before the fix, open() of a FIFO without a writer never returned.
+    fifo = tmp_path / "fifo.kvj"
+    os.mkfifo(fifo)
+    code = (
+        "import sys\n"
+        "from kvcached.errors import JournalError\n"
+        "from kvcached.ledger.journal import JournalReader\n"
+        "for path in sys.argv[1:]:\n"
+        "    try:\n"
+        "        JournalReader(path)\n"
+        "    except JournalError as exc:\n"
+        "        print(exc)\n"
+    )
+    import subprocess
+
+    paths = [str(fifo), "/dev/zero", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines() == [
+        f"{fifo}: at byte 0: cannot open: a FIFO, not a regular file",
+        "/dev/zero: at byte 0: cannot open: a character device, not a regular file",
+        f"{tmp_path}: at byte 0: cannot open: a directory, not a regular file",
+    ], proc.stderr
+
+
+def test_the_writer_never_writes_through_a_symlink_or_into_a_fifo_or_device(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    link = tmp_path / "link.kvj"
+    os.symlink(victim, link)
+    dangling = tmp_path / "dangling.kvj"
+    os.symlink(tmp_path / "nowhere", dangling)
+    fifo = tmp_path / "fifo.kvj"
+    os.mkfifo(fifo)  # no reader: an open for writing without O_NONBLOCK would block
+    for path, what in (
+        (link, "a symbolic link"),
+        (dangling, "a symbolic link"),
+        (fifo, "a FIFO"),
+        (Path("/dev/null"), "a character device"),
+        (tmp_path, "a directory"),
+    ):
+        with pytest.raises(JournalWriteError, match=f"^{path}: cannot create the journal: {what}, not a regular file"):
+            JournalWriter.create(path, HEADER)
+    assert victim.read_bytes() == b"precious" and not (tmp_path / "nowhere").exists()
+    # A regular file at the name is replaced (truncated in place), as an output named by -o is.
+    old = tmp_path / "old.kvj"
+    old.write_bytes(b"x" * 100_000)
+    with JournalWriter.create(old, HEADER) as w:
+        w.append(BATCHES[0])
+    assert read_journal(old).events == BATCHES[0]
+
+
+# --- the header's bounds: what a GPU can hold --------------------------------------------------
+
+
+def test_a_header_beyond_what_a_gpu_holds_is_refused_constructed_or_decoded() -> None:
+    from kvcached.errors import ConfigError
+    from kvcached.ledger.events import MAX_BLOCKS, MAX_POOLS
+
+    ok = Header(page_bytes=2 << 20, pools=(PoolGeometry(8192, MAX_BLOCKS),))  # the largest: one H200 of 8 KiB blocks
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(ok), type=Header) == ok
+    for pools, match in (
+        ((PoolGeometry(8192, MAX_BLOCKS + 1),), "16,777,217 KV blocks: more than a GPU holds"),
+        ((PoolGeometry(8192, MAX_BLOCKS // 2 + 1),) * 2, "over 2 pools"),
+        ((PoolGeometry(8192, 0),) * (MAX_POOLS + 1), "257 block pools"),
+    ):
+        # Constructed, as the served path does (KVCacheManager, the bridge): a ConfigError, which
+        # the plugin turns into its one refusal line.
+        with pytest.raises(ConfigError, match=match):
+            Header(page_bytes=2 << 20, pools=pools)
+        doc = {"page_bytes": 2 << 20, "pools": [msgspec.to_builtins(p) for p in pools]}
+        # Decoded from a journal: the reader names the file and the header's offset.
+        data = preamble() + frame(msgspec.msgpack.encode(doc))
+        with pytest.raises(MalformedEventError, match="header: ") as info:
+            read_bytes(data)
+        check_message(info.value, "mem", 16)
+    with pytest.raises(MalformedEventError, match=r"length <= 256"):
+        read_bytes(preamble() + frame(msgspec.msgpack.encode({"page_bytes": 4096, "pools": [[1, 0]] * 10**6})))
+
+
+def test_event_integers_are_int64() -> None:
+    # The ledger keeps builds and indices in int64 arrays: the format bounds every integer there.
+    for payload, index in (([[0, 2**63]], 16), ([[11, 2**64 - 1]], 16), ([[0, 1], [4, 2**63, 1]], 17)):
+        with pytest.raises(MalformedEventError, match="<= 9223372036854775807") as info:
+            read_bytes(GOOD + frame(msgspec.msgpack.encode(payload)))
+        assert info.value.event_index == index
+    events, _ = read_bytes(GOOD + frame(msgspec.msgpack.encode([[0, 2**63 - 1]])))
+    assert events[-1] == BuildBoundary(build=2**63 - 1)
+
+
 def test_worked_example_in_the_docs_is_what_the_writer_writes() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "trace-format.md").read_text()
     dump = doc.split("(`xxd -g1`):\n\n```\n", 1)[1].split("```", 1)[0]

@@ -373,7 +373,7 @@ def test_snapshot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     s = msgspec.msgpack.decode(Path(snap).read_bytes(), type=LedgerSnapshot)
     Path(snap).write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(s, page_alloc=[0])))
     code, _, err = run(capsys, "check", path, "--from-snapshot", snap)
-    assert code == 2 and "not a consistent snapshot" in err
+    assert code == 2 and "not a consistent ledger snapshot: its page tables" in err
 
 
 # --- progress, help, demo -------------------------------------------------------------------

@@ -10,9 +10,12 @@ multi-frame trace at every byte offset and flips a few hundred random bits (seed
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -63,6 +66,20 @@ def check(capsys: pytest.CaptureFixture[str], path: Path, *extra: str) -> tuple[
     code = main(["check", str(path), *extra])
     out, err = capsys.readouterr()
     return code, out, err.splitlines()
+
+
+def every_reader(trace: Path | str, out: Path) -> list[list[str]]:
+    """The command line of every subcommand that reads a trace, on ``trace`` (outputs in ``out``)."""
+    t = str(trace)
+    return [
+        ["check", t],
+        ["stats", t],
+        ["show", t, "--page", "0"],
+        ["plot", t, "-o", str(out / "p.png")],
+        ["compare", t],
+        ["minimize", t, "-o", str(out / "m.kvj")],
+        ["snapshot", t, "--at", "0", "-o", str(out / "s.snap")],
+    ]
 
 
 def assert_one_line_error(code: int, err: list[str], path: Path, *words: str) -> None:
@@ -145,16 +162,43 @@ def test_malformed_event_names_its_index(tmp_path: Path, capsys: pytest.CaptureF
     assert_one_line_error(code, err, path, "event 3")
 
 
-def test_absurd_geometry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    huge = Header(page_bytes=4096, pools=(PoolGeometry(1024, 1 << 40),))
+def raw_header(page_bytes: int, pools: list[tuple[int, int]]) -> bytes:
+    """A header frame from plain values: a ``Header`` that breaks its bounds cannot be made."""
+    doc = {"page_bytes": page_bytes, "pools": [{"block_bytes": b, "num_blocks": n} for b, n in pools]}
+    return frame(msgspec.msgpack.encode(doc))
+
+
+@pytest.mark.parametrize(
+    ("pools", "words"),
+    [
+        # The issue's 171-byte file: 2**26 blocks took 7.5 GB and 20 s before it was refused.
+        ([(1024, 1 << 26)], ("67,108,864 KV blocks", "more than a GPU holds")),
+        ([(1024, (1 << 24) + 1)], ("16,777,217 KV blocks",)),
+        ([(1024, 1 << 40)], ("KV blocks",)),
+        ([(1024, 1 << 23)] * 3, ("25,165,824 KV blocks over 3 pools",)),
+        ([(1024, 0)] * 300, ("length <= 256", "pools")),
+    ],
+)
+def test_a_header_beyond_what_a_gpu_holds_is_refused_before_anything_is_allocated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pools: list[tuple[int, int]], words: tuple[str, ...]
+) -> None:
     path = tmp_path / "huge.kvj"
-    path.write_bytes(preamble() + header_frame(huge))
+    path.write_bytes(preamble() + raw_header(1 << 21, pools) + frame(msgspec.msgpack.encode([[0, 0]])))
+    for argv in every_reader(path, tmp_path):
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert_one_line_error(code, err.splitlines(), path, "at byte 16", "header", *words)
+        assert out == ""
+
+
+def test_a_block_larger_than_its_page_names_the_file_not_a_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "misfit.kvj"
+    path.write_bytes(preamble() + raw_header(16384, [(32768, 4)]))
     code, _, err = check(capsys, path)
-    assert_one_line_error(code, err, path, "blocks")
-    misfit = Header(page_bytes=4096, pools=(PoolGeometry(8192, 4),))
-    path.write_bytes(preamble() + header_frame(misfit))
-    code, _, err = check(capsys, path)
-    assert code == 2 and len(err) == 1 and "does not fit" in err[0]
+    assert_one_line_error(code, err, path, "at byte 16", "32,768 bytes do not fit its 16,384-byte pages")
+    assert "KVCACHED_" not in err[0] and "raise" not in err[0]
 
 
 def test_unwritable_output(tmp_path: Path, small_trace: bytes, capsys: pytest.CaptureFixture[str]) -> None:
@@ -258,3 +302,188 @@ def test_a_snapshot_that_is_not_a_regular_file_is_one_line(
         code, out, err = check(capsys, path, "--from-snapshot", snap)
         assert code == 2 and out == "" and len(err) == 1, err
         assert err[0] == f"kvreplay: {snap}: at byte 0: cannot read the snapshot: {what}, not a regular file"
+
+
+# --- issue 13, item 4: what is not a regular file, integers past int64, nesting, bad snapshots -
+
+
+_RUN_EACH = """
+import contextlib, io, json, sys
+from kvreplay.cli import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    print(json.dumps([code, out.getvalue(), err.getvalue()]), flush=True)
+"""
+
+
+def run_each_in_a_child(argvs: list[list[str]], timeout: float = 60) -> list[tuple[int, str, list[str]]]:
+    """``main(argv)`` for each, in one child process: an open that blocks fails the test (timeout)
+    instead of hanging it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_EACH, json.dumps(argvs)], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [(code, out, err.splitlines()) for code, out, err in map(json.loads, proc.stdout.splitlines())]
+
+
+def test_a_trace_that_is_not_a_regular_file_is_one_line_and_never_blocks(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.kvj"
+    os.mkfifo(fifo)  # no writer: open() for reading would block forever
+    cases = [(fifo, "a FIFO"), (Path("/dev/zero"), "a character device"), (tmp_path, "a directory")]
+    argvs = [argv for trace, _ in cases for argv in every_reader(trace, tmp_path)]
+    results = run_each_in_a_child(argvs)
+    assert len(results) == len(argvs)
+    per = len(every_reader(fifo, tmp_path))
+    for i, (code, out, err) in enumerate(results):
+        trace, what = cases[i // per]
+        assert_one_line_error(code, err, trace, "at byte 0", f"cannot open: {what}, not a regular file")
+        assert out == ""
+    # A FIFO given as a snapshot is refused as well (tested below with the other snapshots), and
+    # a FIFO as the output of minimize or synth (JournalWriter.create) in the next test.
+
+
+def test_outputs_are_never_written_through_a_symlink_or_into_a_fifo(
+    tmp_path: Path, small_trace: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.kvj"
+    path.write_bytes(small_trace)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    link = tmp_path / "link.kvj"
+    os.symlink(victim, link)
+    fifo = tmp_path / "fifo.kvj"
+    os.mkfifo(fifo)
+    for out, what in ((link, "a symbolic link"), (fifo, "a FIFO")):
+        for argv in (
+            ["minimize", str(path), "-o", str(out)],
+            ["synth", "-o", str(out), "--events", "100"],
+        ):
+            code = main(argv)
+            e = capsys.readouterr().err
+            assert_one_line_error(code, e.splitlines(), out, f"cannot create the journal: {what}, not a regular file")
+    assert victim.read_bytes() == b"precious" and os.path.islink(link)
+    # demo --save into a folder where another user planted a link at one of its names.
+    save = tmp_path / "demo"
+    save.mkdir()
+    planted = save / "finish-in-write-step.legacy.kvj"
+    os.symlink(victim, planted)
+    code = main(["demo", "--save", str(save), "finish-in-write-step"])
+    e = capsys.readouterr().err.splitlines()
+    assert_one_line_error(code, e, planted, "a symbolic link")
+    assert victim.read_bytes() == b"precious"
+    # A regular file named by -o is replaced, as -o does everywhere.
+    old = tmp_path / "old.kvj"
+    old.write_bytes(b"x" * 100_000)
+    assert main(["synth", "-o", str(old), "--events", "100"]) == 0
+    capsys.readouterr()
+    assert main(["check", str(old)]) in (0, 1) and old.stat().st_size < 100_000
+
+
+def test_a_build_number_past_int64_is_a_malformed_event(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The format allowed any msgpack integer below 2**64; the ledger's int64 arrays raised an
+    # internal OverflowError on a build number >= 2**63. Now the reader refuses it, naming the event.
+    path = tmp_path / "build.kvj"
+    for value in (2**63, 2**64 - 1):
+        events = [[0, 0], [1, 0, [1]], [0, value]]
+        path.write_bytes(preamble() + header_frame() + frame(msgspec.msgpack.encode(events)))
+        for argv in every_reader(path, tmp_path)[:3]:
+            code = main(argv)
+            err = capsys.readouterr().err
+            assert_one_line_error(code, err.splitlines(), path, "event 2", "<= 9223372036854775807")
+    path.write_bytes(preamble() + header_frame() + frame(msgspec.msgpack.encode([[0, 2**63 - 1], [0, 2**63 - 1]])))
+    code, out, err = check(capsys, path)  # the largest build number replays: I3 build-out-of-order
+    assert code == 1 and err == [] and "I3 build-out-of-order x2" in out
+
+
+def with_deep_field(doc: dict[str, object]) -> bytes:
+    """``doc`` as a msgpack map with one more key, ``x``, whose value is [[[[...0...]]]] 200,000
+    deep: msgspec skips an unknown field by descending into it (RecursionError)."""
+    data = msgspec.msgpack.encode({**doc, "x": 0})
+    assert data.endswith(b"\xa1x\x00")
+    return data[:-1] + b"\x91" * 200_000 + b"\x00"
+
+
+@pytest.mark.parametrize("where", ["event frame", "event", "header"])
+def test_a_payload_nested_200000_deep_is_malformed_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    deep = b"\x91" * 200_000 + b"\x00"  # [[[[...0...]]]]: 200,001 bytes
+    path = tmp_path / "deep.kvj"
+    if where == "header":
+        path.write_bytes(preamble() + frame(with_deep_field(msgspec.to_builtins(HEADER))))
+    else:
+        payload = b"\x91" + deep if where == "event frame" else b"\x92" + msgspec.msgpack.encode([0, 0]) + deep
+        path.write_bytes(preamble() + header_frame() + frame(payload))
+    code, _, err = check(capsys, path)
+    assert_one_line_error(code, err, path, "event ")
+    assert "RecursionError" not in err[0]
+
+
+@pytest.fixture
+def snapshot_case(tmp_path: Path, small_trace: bytes, capsys: pytest.CaptureFixture[str]) -> tuple[Path, bytes]:
+    """The small trace and the raw snapshot after its event 7: job 0 was unmapped under (I1,
+    event 6) and is reported at event 9, so the replay after it looks up the violation again."""
+    path = tmp_path / "t.kvj"
+    path.write_bytes(small_trace)
+    snap = tmp_path / "s.snap"
+    assert main(["snapshot", str(path), "--at", "7", "-o", str(snap)]) == 0
+    capsys.readouterr()
+    return path, snap.read_bytes()
+
+
+def _damaged(raw: bytes, **fields: object) -> bytes:
+    doc = msgspec.msgpack.decode(raw)
+    doc.update(fields)
+    return msgspec.msgpack.encode(doc)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"job_violation": {0: [5]}}, "violation index outside its 1 violations"),  # was IndexError mid-replay
+        ({"job_violation": {0: [-1]}}, "violation index outside"),  # was the wrong violation, silently
+        ({"boundary_ix": [2, 2**63], "boundary_build": [0, 1]}, "build boundaries"),  # was OverflowError
+        ({"boundary_ix": [4, 6]}, "build boundaries"),  # longer than boundary_build: IndexError in build_of
+        ({"index": 2**63}, "event index"),
+        ({"grace": {-1: 3}}, "a grace on a page outside"),  # was a wrong page, silently
+        ({"holds": {16: {0: 1}}}, "a window hold on a page outside"),  # was IndexError in restore
+        ({"mapped": b"\x02"}, "page tables"),
+    ],
+)
+def test_a_snapshot_that_points_nowhere_is_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    snapshot_case: tuple[Path, bytes],
+    fields: dict[str, object],
+    words: str,
+) -> None:
+    path, raw = snapshot_case
+    assert check(capsys, path, "--from-snapshot", str(tmp_path / "s.snap"))[0] == 1  # the intact one replays
+    bad = tmp_path / "bad.snap"
+    bad.write_bytes(_damaged(raw, **fields))
+    for argv in every_reader(path, tmp_path)[:4]:
+        code = main([*argv, "--from-snapshot", str(bad)])
+        out, err = capsys.readouterr()
+        assert_one_line_error(code, err.splitlines(), bad, "at byte 0", "not a consistent ledger snapshot", words)
+        assert out == ""
+
+
+def test_a_snapshot_nested_deep_or_of_an_absurd_geometry_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], snapshot_case: tuple[Path, bytes]
+) -> None:
+    path, raw = snapshot_case
+    bad = tmp_path / "bad.snap"
+    doc = msgspec.msgpack.decode(raw)
+    for data, words in (
+        (with_deep_field(doc), "nested too deep"),
+        (
+            _damaged(raw, header={**doc["header"], "pools": [{"block_bytes": 1024, "num_blocks": 1 << 26}]}),
+            "67,108,864 KV blocks",
+        ),
+    ):
+        bad.write_bytes(data)
+        code, _, err = check(capsys, path, "--from-snapshot", str(bad))
+        assert_one_line_error(code, err, bad, "not a ledger snapshot", words)
+

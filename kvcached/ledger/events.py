@@ -21,10 +21,32 @@ from typing import Annotated, Final, TypeAlias
 
 import msgspec
 
+from ..errors import ConfigError
+
 FORMAT_VERSION: Final = 1
 
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-Positive = Annotated[int, msgspec.Meta(ge=1)]
+# Every integer of the format is below 2**63: the ledger keeps build numbers and event indices in
+# int64 arrays (``LedgerTables.boundary_ix``), where a larger one raised OverflowError mid-replay.
+# msgspec checks the bound while it decodes, at no measurable cost (benchmarks/bench_decode.py).
+INT64_MAX: Final = 2**63 - 1
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+
+# What a header may declare. The ledger allocates its per-block tables up front (65 to 115 bytes
+# a block, by blocks per page), so a forged 171-byte header declaring 2**26 blocks took 7.5 GB and
+# 20 s. The bound is what a real GPU can hold, refused before anything is allocated. vLLM gives
+# the KV cache at most ~90% of a GPU (gpu_memory_utilization's default is 0.9): an H200's 141 GB
+# gives 127 GB. A block is 16 tokens (vLLM's default block size) over every layer of its KV cache
+# group, on one tensor-parallel rank: for the smallest models served (SmolLM2-135M, Qwen2.5-0.5B:
+# 24-30 layers of 64-wide heads) with one KV head per rank and an fp8 cache, 48 KiB or more. Even
+# at 8 KiB (one 64-wide head, K and V, fp8, over just four layers) an H200 holds 15.5 million
+# blocks; the bound is the power of two above, 2**24 blocks over all pools (tables of 1 to 2 GB,
+# what replaying a real trace of that size costs anyway). The larger GPUs (B200 192 GB, B300
+# 288 GB) hold at most 5.3 million blocks of 48 KiB, well under it.
+MAX_BLOCKS: Final = 1 << 24
+# A pool is a vLLM KV cache group: one per kind of attention layer (full, sliding window, Mamba),
+# so a handful; even one pool per layer stays under 256 (the largest models have ~126 layers).
+MAX_POOLS: Final = 256
 # Block ids of one pool; vLLM block ids are int32.
 BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)], ...]
 
@@ -51,17 +73,35 @@ class PoolGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False, kw_only=True):
-    """What a reader must know before the first event: geometry, workers, policy, producers."""
+    """What a reader must know before the first event: geometry, workers, policy, producers.
+
+    A header declaring more blocks or pools than the ledger tracks (``MAX_BLOCKS``,
+    ``MAX_POOLS``) raises ``ConfigError``, whether it is constructed (the served path) or
+    decoded (a journal or snapshot: msgspec lets the error through and the readers name the file).
+    """
 
     format_version: Positive = FORMAT_VERSION
     page_bytes: Positive
-    pools: tuple[PoolGeometry, ...]
+    # max_length: msgspec refuses a longer array before it decodes a single element.
+    pools: Annotated[tuple[PoolGeometry, ...], msgspec.Meta(max_length=MAX_POOLS)]
     workers: Positive = 1
     policy: Policy = Policy.LEDGER
     producer: dict[str, str] = {}
     created_unix: float = 0.0
     # Extra, free-form facts a producer wants to keep with the trace (scenario name, seed, ...).
     meta: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        # Called on construction and on decode. Not a ValueError: msgspec would turn that into a
+        # DecodeError on decode, but the served path catches KvcachedError, and so do the readers.
+        if len(self.pools) > MAX_POOLS:  # constructed: decode checked it already
+            raise ConfigError(f"{len(self.pools)} block pools; the ledger tracks at most {MAX_POOLS}")
+        total = sum(p.num_blocks for p in self.pools)
+        if total > MAX_BLOCKS:
+            where = f" over {len(self.pools)} pools" if len(self.pools) > 1 else ""
+            raise ConfigError(
+                f"{total:,} KV blocks{where}: more than a GPU holds (the ledger tracks at most {MAX_BLOCKS:,})"
+            )
 
 
 class _Event(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="t"):
@@ -202,6 +242,16 @@ EVENT_TYPES: Final[tuple[type[_Event], ...]] = (
     PageUnmapped,
     Gap,
 )
+
+
+def misfit(header: Header) -> str | None:
+    """Why ``header``'s pools cannot be laid out on its pages (a block larger than a page), in
+    words about the header alone, or None. A serving process never writes such a header (its
+    geometry is checked first, with advice on the settings); a reader says what is wrong with it."""
+    for i, pool in enumerate(header.pools):
+        if pool.block_bytes > header.page_bytes:
+            return f"pool {i}'s blocks of {pool.block_bytes:,} bytes do not fit its {header.page_bytes:,}-byte pages"
+    return None
 
 
 def blocks_per_page(header: Header, pool: int) -> int:

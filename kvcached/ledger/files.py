@@ -10,7 +10,10 @@ then given its name by :func:`install`: as a hard link, which fails if anything 
 name, or by a rename over exactly the file the same writer installed before (checked by device
 and inode, so a file swapped in meanwhile is not replaced). Reading goes through
 :func:`open_regular`, which opens without blocking and refuses what is not a regular file (a FIFO
-would block ``open`` forever, ``/dev/zero`` never ends); its size then bounds the read.
+would block ``open`` forever, ``/dev/zero`` never ends); its size then bounds the read. An output
+a user names and writes as it goes (``kvreplay minimize -o``, the recorder's journal) cannot be
+written under another name first; :func:`create_or_truncate` opens it without following a link
+and truncates it only once the opened file is known to be a regular one.
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def open_regular(path: str, *, follow: bool = True) -> tuple[BinaryIO, os.stat_result]:
+def open_regular(path: str, *, follow: bool = True, buffering: int = -1) -> tuple[BinaryIO, os.stat_result]:
     """Opens ``path`` for reading if it is a regular file; raises ``NotRegularFileError`` if not.
 
     ``O_NONBLOCK`` so that a FIFO without a writer cannot block the open; it has no effect on a
@@ -148,7 +151,39 @@ def open_regular(path: str, *, follow: bool = True) -> tuple[BinaryIO, os.stat_r
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFileError(errno.EINVAL, f"{kind(st.st_mode)}, not a regular file", path)
-        return os.fdopen(fd, "rb"), st
+        return os.fdopen(fd, "rb", buffering=buffering), st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def create_or_truncate(path: str) -> BinaryIO:
+    """Opens ``path`` for writing, unbuffered, empty: created, or a regular file there truncated.
+
+    For outputs the user names (``-o``, the recorder's journal path), where replacing a regular
+    file is what is asked. Anything else at the name is refused with ``NotRegularFileError``
+    before it is opened (a symlink is never followed: ``O_NOFOLLOW``; a device or FIFO is not
+    opened, which for some devices acts) and again after, from the opened file itself, in case
+    the name was swapped in between (``O_NONBLOCK``: a FIFO swapped in cannot block the open).
+    Nothing is truncated until the opened file is known to be a regular file.
+    """
+    st = lstat(path)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(errno.EINVAL, f"{kind(st.st_mode)}, not a regular file: not writing there", path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink, or a FIFO without a reader, swapped in
+            what = "a symbolic link" if exc.errno == errno.ELOOP else "a FIFO"
+            raise NotRegularFileError(exc.errno, f"{what}, not a regular file: not writing there", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(errno.EINVAL, f"{kind(st.st_mode)}, not a regular file: not writing there", path)
+        os.ftruncate(fd, 0)
+        return os.fdopen(fd, "wb", buffering=0)
     except BaseException:
         os.close(fd)
         raise

@@ -9,7 +9,10 @@ that merely ends early; a frame that is cut off at the end of the file (the one 
 writer left unfinished) is a *torn tail*, which costs only that frame's events. One frame per
 batch keeps the per-event overhead to the msgpack bytes of the event itself, lets a writer emit
 each batch with a single ``write``, and lets a reader stream a file of any size while holding
-no more than one frame. See ``docs/trace-format.md`` for the byte-level description.
+no more than one frame. A reader opens only regular files (a FIFO would block it, a device
+never end) and refuses a header whose geometry no GPU holds before anything is allocated for it
+(``events.Header``); a writer never writes through a symlink or into a FIFO or device. See
+``docs/trace-format.md`` for the byte-level description.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import IO, BinaryIO, Final, Self
 import msgspec
 
 from kvcached.errors import (
+    ConfigError,
     CorruptFrameError,
     EmptyJournalError,
     JournalError,
@@ -33,7 +37,8 @@ from kvcached.errors import (
     TruncatedJournalError,
     UnsupportedVersionError,
 )
-from kvcached.ledger.events import FORMAT_VERSION, Event, Header
+from kvcached.ledger.events import FORMAT_VERSION, Event, Header, misfit
+from kvcached.ledger.files import NotRegularFileError, create_or_truncate, open_regular
 
 MAGIC: Final = b"KVCLEDGR"
 # A bound on what a reader will allocate for one frame; a length above it can only be damage.
@@ -71,6 +76,15 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _decode_error(exc: BaseException) -> str:
+    """What msgspec found wrong with a payload; RecursionError is msgspec's word for nesting too
+    deep to decode (msgpack arrays in arrays, a few bytes each), which only damage or a forged
+    file makes."""
+    if isinstance(exc, RecursionError):
+        return "nested too deep to decode (arrays or maps within each other beyond msgspec's recursion limit)"
+    return _one_line(exc)
+
+
 # --------------------------------------------------------------------------------------------
 # writing
 
@@ -104,11 +118,14 @@ class JournalWriter:
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], header: Header) -> JournalWriter:
-        """Creates (or replaces) the journal at ``path`` and writes its preamble and header."""
+        """Creates the journal at ``path`` (a regular file there is replaced; a symlink, device
+        or FIFO is refused, never written through) and writes its preamble and header."""
         name = os.fspath(path)
         try:
             # Unbuffered: a frame must reach the kernel in one write (see the class docstring).
-            file = open(name, "wb", buffering=0)  # noqa: SIM115 - owned by the writer
+            file = create_or_truncate(name)
+        except NotRegularFileError as exc:
+            raise JournalWriteError(f"{name}: cannot create the journal: {exc.strerror}") from None
         except OSError as exc:
             raise JournalWriteError(f"{name}: cannot create the journal: {_one_line(exc)}") from exc
         try:
@@ -250,8 +267,12 @@ class JournalReader:
         self._started = False
         self._owns_file = file is None
         if file is None:
+            # Regular files only: a FIFO without a writer would block open() forever, a device
+            # such as /dev/zero never ends; open_regular refuses both without blocking.
             try:
-                file = open(self.path, "rb", buffering=_READ_BUFFER)  # noqa: SIM115
+                file, _ = open_regular(self.path, buffering=_READ_BUFFER)
+            except NotRegularFileError as exc:
+                raise JournalError(self.path, 0, f"cannot open: {exc.strerror}") from None
             except OSError as exc:
                 raise JournalError(self.path, 0, f"cannot open: {_one_line(exc)}") from exc
         self._file: IO[bytes] = file
@@ -294,12 +315,19 @@ class JournalReader:
             raise TruncatedJournalError(path, PREAMBLE_SIZE + present, what)
         try:
             header = msgspec.msgpack.decode(frame, type=Header)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise MalformedEventError(
-                path, PREAMBLE_SIZE, -1, f"header: not a valid header: {_one_line(exc)}"
+                path, PREAMBLE_SIZE, -1, f"header: not a valid header: {_decode_error(exc)}"
             ) from None
+        except ConfigError as exc:  # a geometry beyond the ledger's bounds (Header.__post_init__)
+            raise MalformedEventError(path, PREAMBLE_SIZE, -1, f"header: {_one_line(exc)}") from None
         if header.format_version != version:
             what = f"header: format_version {header.format_version} is not the preamble's {version}"
+            raise MalformedEventError(path, PREAMBLE_SIZE, -1, what)
+        if (why := misfit(header)) is not None:
+            # Said here, about the file: the ledger would refuse the geometry with advice on the
+            # serving settings, which mean nothing to someone reading a trace.
+            what = f"header: {why}; a kvcached engine never writes such a header (damaged or hand-made)"
             raise MalformedEventError(path, PREAMBLE_SIZE, -1, what)
         self.offset = PREAMBLE_SIZE + FRAME_HEADER_SIZE + len(frame)
         return header
@@ -339,7 +367,7 @@ class JournalReader:
                     return
                 try:
                     events = decode(payload)
-                except msgspec.DecodeError as exc:
+                except (msgspec.DecodeError, RecursionError) as exc:
                     raise self._malformed(payload, at, exc) from None
                 first = self.events_read
                 self.offset = at + FRAME_HEADER_SIZE + len(payload)
@@ -349,22 +377,24 @@ class JournalReader:
         finally:
             self.close()
 
-    def _malformed(self, payload: bytes, at: int, exc: msgspec.DecodeError) -> JournalError:
+    def _malformed(self, payload: bytes, at: int, exc: msgspec.DecodeError | RecursionError) -> JournalError:
         # Only on failure: decode lazily to find which element is bad, for an exact index.
         first = self.events_read
         try:
             items = msgspec.msgpack.decode(payload, type=list[msgspec.Raw])
-        except msgspec.DecodeError as outer:
+        except (msgspec.DecodeError, RecursionError) as outer:
+            # Skipping an element to find the next one recurses into it: an element nested
+            # deeper than msgspec's recursion limit cannot be skipped, only reported.
             return MalformedEventError(
-                self.path, at, first, f"frame payload is not an array of events: {_one_line(outer)}"
+                self.path, at, first, f"frame payload is not an array of events: {_decode_error(outer)}"
             )
         one = msgspec.msgpack.Decoder(Event)
         for i, item in enumerate(items):
             try:
                 one.decode(item)
-            except msgspec.DecodeError as inner:
-                return MalformedEventError(self.path, at, first + i, f"not a valid event: {_one_line(inner)}")
-        return MalformedEventError(self.path, at, first, f"bad frame payload: {_one_line(exc)}")
+            except (msgspec.DecodeError, RecursionError) as inner:
+                return MalformedEventError(self.path, at, first + i, f"not a valid event: {_decode_error(inner)}")
+        return MalformedEventError(self.path, at, first, f"bad frame payload: {_decode_error(exc)}")
 
     def __iter__(self) -> Iterator[Event]:
         for _, _, events in self.batches():

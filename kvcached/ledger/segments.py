@@ -24,14 +24,14 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 import msgspec
 
-from kvcached.errors import JournalError
+from kvcached.errors import ConfigError, JournalError
 
-from .events import Event, Header
+from .events import INT64_MAX, Event, Header, misfit
 from .files import FileId, NotRegularFileError, create_temp, discard, fsync_dir, install, read_regular
 from .journal import PREAMBLE_SIZE, JournalReader, TornTail
 from .ledger import Ledger
@@ -73,8 +73,8 @@ def _meta_int(path: str, header: Header, key: str) -> int | None:
     raw = header.meta.get(key)
     if raw is None:
         return None
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > _MAX_DIGITS:
-        raise JournalError(path, PREAMBLE_SIZE, f"header meta {key}={raw[:40]!r} is not a number")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > _MAX_DIGITS or int(raw) > INT64_MAX:
+        raise JournalError(path, PREAMBLE_SIZE, f"header meta {key}={raw[:40]!r} is not a number in 0..2^63-1")
     return int(raw)
 
 
@@ -264,7 +264,8 @@ def _size(path: str) -> int:
 
 
 def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
-    """The snapshot at ``path``; a ``JournalError`` naming it if it is unreadable or not one."""
+    """The snapshot at ``path``; a ``JournalError`` naming it if it is unreadable, not one, or
+    not one that ``Ledger.restore`` and a replay after it can use (``snapshot_problem``)."""
     name = os.fspath(path)
     try:
         data = read_regular(name)
@@ -273,9 +274,66 @@ def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
     except OSError as exc:
         raise JournalError(name, 0, f"cannot read the snapshot: {exc.strerror or exc}") from None
     try:
-        return msgspec.msgpack.decode(data, type=LedgerSnapshot)
+        snap = msgspec.msgpack.decode(data, type=LedgerSnapshot)
     except msgspec.DecodeError as exc:
         raise JournalError(name, 0, f"not a ledger snapshot: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise JournalError(name, 0, "not a ledger snapshot: nested too deep to decode") from None
+    except ConfigError as exc:  # its header's geometry is beyond the ledger's bounds
+        raise JournalError(name, 0, f"not a ledger snapshot: header: {exc}") from None
+    if (why := snapshot_problem(snap)) is not None:
+        raise JournalError(name, 0, f"not a consistent ledger snapshot: {why}")
+    return snap
+
+
+def _int64s(values: Sequence[int]) -> bool:
+    """All of ``values`` fit the ledger's int64 arrays and are not negative (min and max: C-speed)."""
+    return not values or (min(values) >= 0 and max(values) <= INT64_MAX)
+
+
+def snapshot_problem(snap: LedgerSnapshot) -> str | None:
+    """What in a decoded snapshot ``Ledger.restore``, or a replay after it, would trip on; None if
+    nothing. Restore trusts its input's sizes and cross-references, so a snapshot of the wrong
+    shape failed later, mid-replay, as an IndexError (a violation index past the list), an
+    OverflowError (an index beyond the int64 arrays) or, for a negative page, not at all (a wrong
+    page silently). Checked here, where every reader of a snapshot gets it: kvreplay and the
+    journal service's resume. Linear in the snapshot, C-speed for its large tables."""
+    h = snap.header
+    if (why := misfit(h)) is not None:
+        return f"header: {why}"
+    pages = sum(-(-p.num_blocks // (h.page_bytes // p.block_bytes)) for p in h.pools)
+    if not _int64s((snap.index, snap.build, snap.liveness_builds)):
+        return "its event index, build or liveness_builds is not an int in 0..2^63-1"
+    if any(v is not None and v < 0 for v in (snap.limit, snap.stall_since)):
+        return "a negative limit or stall build"
+    if len(snap.boundary_ix) != len(snap.boundary_build) or not (
+        _int64s(snap.boundary_ix) and _int64s(snap.boundary_build)
+    ):
+        return "its build boundaries are not two int lists of one length with values in 0..2^63-1"
+    # A mapped or allocated flag is a byte 0 or 1: translate deletes those and leaves any other.
+    tables = (snap.page_alloc, snap.mapped, snap.epoch, snap.unmap_ix, snap.pfree_ix)
+    if any(len(t) != pages for t in tables) or snap.mapped.translate(None, b"\0\1"):
+        return f"its page tables do not have the header's {pages} pages"
+    if len(snap.pools) != len(h.pools):
+        return f"it has {len(snap.pools)} pool tables for the header's {len(h.pools)} pools"
+    for i, (pool, geo) in enumerate(zip(snap.pools, h.pools, strict=True)):
+        nb = geo.num_blocks
+        sizes = {len(pool.alloc), len(pool.epoch), len(pool.alloc_ix), len(pool.free_ix)}
+        if sizes != {nb} or pool.alloc.translate(None, b"\0\1"):
+            return f"the block tables of pool {i} do not have its {nb} blocks"
+    for what, used in (
+        ("grace", snap.grace),
+        ("window hold", snap.holds),
+        ("job", (p for r in snap.jobs for p in r.pages)),
+    ):
+        if not all(0 <= p < pages for p in used):
+            return f"a {what} on a page outside the header's {pages} pages"
+    if any(r.kind not in (0, 1) for r in snap.jobs):
+        return "a job of an unknown kind"
+    n = len(snap.violations)
+    if not all(0 <= i < n for ixs in snap.job_violation.values() for i in ixs):
+        return f"a job's violation index outside its {n} violations"
+    return None
 
 
 def write_snapshot(

@@ -32,10 +32,6 @@ from kvcached.ledger.segments import RotatedJournal, names, read_snapshot, snaps
 from kvcached.ledger.simulate import derive
 from kvcached.ledger.state import LedgerSnapshot
 
-# A header declaring more blocks than this is damage or a foreign file, not a KV cache: the
-# ledger allocates per-block tables up front, and a bogus count would exhaust memory instead of
-# failing with a line. 2**26 blocks is far above any real pool (a 141 GB GPU of 16 KiB blocks).
-MAX_BLOCKS: Final = 1 << 26
 # Below this size a trace replays faster than a progress bar can be drawn.
 PROGRESS_MIN_BYTES: Final = 1 << 20
 
@@ -83,12 +79,9 @@ class Trace:
     def __init__(self, path: str, *, progress: bool = True, note: bool = True) -> None:
         self.path = path
         self.journal = RotatedJournal(path)
+        # The header's geometry is bounded (events.MAX_BLOCKS) and laid out (events.misfit) by
+        # the journal reader, which names the file: a Ledger can be made for it.
         self.header = self.journal.header
-        total = sum(p.num_blocks for p in self.header.pools)
-        if total > MAX_BLOCKS:
-            raise ReplayError(
-                f"{path}: header declares {total} blocks (more than {MAX_BLOCKS}); damaged or not a KV cache trace"
-            )
         self.events = 0  # global index after the last event read, skipped ones included
         self.torn_tail: TornTail | None = None
         self._progress = progress and sys.stderr.isatty()
@@ -225,27 +218,8 @@ def start_ledger(trace: Trace, policy: str | None, snapshot: str | None) -> tupl
         raise ReplayError(f"{snapshot}: taken from a trace of another geometry than {trace.path}")
     if policy is not None and Policy(policy) is not snap.policy:
         raise ReplayError(f"{snapshot}: taken under policy {snap.policy.value}, not {policy}; replay from the start")
-    try:
-        ledger = Ledger(h, snap.policy, liveness_builds=snap.liveness_builds)
-        _check_snapshot_shape(ledger, snap)
-        return Ledger.restore(snap), snap.index
-    except (IndexError, KeyError, TypeError, ValueError) as exc:
-        raise ReplayError(f"{snapshot}: not a consistent snapshot ({type(exc).__name__}: {exc})") from None
-
-
-def _check_snapshot_shape(ledger: Ledger, snap: LedgerSnapshot) -> None:
-    # Restore trusts its input's sizes; a snapshot of the wrong shape would fail much later,
-    # in the middle of the replay, with an IndexError and no hint of the cause.
-    n = ledger.num_pages
-    sizes = (len(snap.page_alloc), len(snap.mapped), len(snap.epoch), len(snap.unmap_ix), len(snap.pfree_ix))
-    if any(k != n for k in sizes) or len(snap.pools) != len(ledger.header.pools):
-        raise ValueError(f"its page tables do not have the trace's {n} pages")
-    for pool, geo in zip(snap.pools, ledger.header.pools, strict=True):
-        nb = geo.num_blocks
-        if {len(pool.alloc), len(pool.epoch), len(pool.alloc_ix), len(pool.free_ix)} != {nb}:
-            raise ValueError(f"its block tables do not have the trace's {nb} blocks")
-    if snap.index < 0 or any(p >= n for r in snap.jobs for p in r.pages):
-        raise ValueError("an index or page out of range")
+    # read_snapshot checked the snapshot's shape and cross-references (segments.snapshot_problem).
+    return Ledger.restore(snap), snap.index
 
 
 def feed(ledger: Ledger, batch: list[Event], derived: bool) -> None:
