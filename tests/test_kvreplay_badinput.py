@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcached.ledger.events import Header, Policy, PoolGeometry
+from kvcached.ledger.events import Header, JobReported, PageUnmapped, Policy, PoolGeometry
 from kvcached.ledger.journal import JournalWriter
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.segments import read_snapshot
@@ -241,8 +241,9 @@ def test_truncated_at_every_byte(tmp_path: Path, small_trace: bytes, capsys: pyt
         case = _assert_contract(code, out, err, path)
         seen[case] = seen.get(case, 0) + 1
         if case == "error":
-            # Only a file without a complete header is unusable; after it, a cut is a torn tail.
-            assert any(w in err[0] for w in ("empty", "header", "preamble")), err
+            # Only a file without a complete header is unusable; after it, a cut is a torn tail,
+            # except for check when no event at all is left: nothing was checked.
+            assert any(w in err[0] for w in ("empty", "header", "preamble", "nothing was checked")), err
         # The other replaying subcommands keep the same promise (spot-checked, to stay fast).
         if n % 9 == 0:
             for argv in (["stats", str(path), "--json"], ["show", str(path), "--page", "0"]):
@@ -487,3 +488,73 @@ def test_a_snapshot_nested_deep_or_of_an_absurd_geometry_is_one_line(
         code, _, err = check(capsys, path, "--from-snapshot", str(bad))
         assert_one_line_error(code, err, bad, "not a ledger snapshot", words)
 
+
+# --- issue 13, item 3: a trace that holds nothing, or ends with work under way ------------------
+
+
+def test_a_trace_with_no_event_checks_nothing_and_says_so(
+    tmp_path: Path, small_trace: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "header-only.kvj"
+    path.write_bytes(preamble() + header_frame())
+    code, out, err = check(capsys, path)
+    assert_one_line_error(code, err, path, "no event to check", "nothing was checked")
+    assert out == ""
+    code, out, err = check(capsys, path, "--json")
+    assert code == 2 and out == "" and len(err) == 1
+    # Its first frame torn: one line still (not a torn-tail warning and then a verdict).
+    cut = 16 + 12 + struct.unpack_from("<I", small_trace, 16)[0] + 5  # the preamble, the header frame
+    path.write_bytes(small_trace[:cut])
+    code, out, err = check(capsys, path)
+    assert_one_line_error(code, err, path, "no event to check", "first frame is cut off", "nothing was checked")
+
+
+def test_a_trace_that_ends_with_jobs_outstanding_or_a_shrink_unfinished_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What a crashed run leaves: a store job built and never reported, a limit not yet reached.
+    from kvcached.ledger.events import (
+        BlockAlloc,
+        BuildBoundary,
+        JobBuilt,
+        JobKind,
+        MemoryLimit,
+        PageMapped,
+        RequestAdded,
+    )
+
+    header = Header(page_bytes=4096, pools=(PoolGeometry(1024, 16),))
+    events = [
+        PageMapped(0),
+        PageMapped(1),
+        RequestAdded(0, "req-a"),
+        BlockAlloc(0, (0, 1)),
+        JobBuilt(3, JobKind.STORE, 0, ((0, 1),), 2),
+        BuildBoundary(0),
+        MemoryLimit(1),
+    ]
+    path = tmp_path / "crashed.kvj"
+    with JournalWriter.create(path, header) as w:
+        w.append(events)
+    code, out, err = check(capsys, path)
+    assert code == 0 and err == []
+    lines = out.splitlines()
+    assert lines[1].startswith("clean: no invariant violated, but the trace ends unfinished (not a violation: ")
+    assert lines[2] == (
+        "  1 job(s) outstanding; the oldest: store job 3 of request req-a, built in build 0, waiting on 2 worker(s)"
+    )
+    assert lines[3] == "  a shrink unfinished: 2 page(s) mapped over a limit of 1"
+    code, out, _ = check(capsys, path, "--json")
+    doc = json.loads(out)
+    assert doc["clean"] is True and doc["unfinished"] == {
+        "outstanding_jobs": 1,
+        "oldest_job": {"job": 3, "kind": "store", "request": "req-a", "build": 0, "waiting_workers": 2},
+        "shrink": {"limit": 1, "mapped_pages": 2},
+    }
+    # Once the job is reported and the limit met, the end is finished: the plain verdict again.
+    with JournalWriter.create(path, header) as w:
+        w.append([*events, JobReported(3, 2), PageUnmapped(1)])
+    code, out, _ = check(capsys, path)
+    assert code == 0 and "clean: no invariant violated\n" in out and "unfinished" not in out
+    code, out, _ = check(capsys, path, "--json")
+    assert "unfinished" not in json.loads(out)

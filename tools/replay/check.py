@@ -10,7 +10,11 @@ the same findings as a deterministic document (sorted keys, file name without di
 times or versions) because golden traces keep it beside them as their expected report. A
 malformed event sequence (a report for a job never built, a double free) is an I3 violation
 found by the ledger: it is reported like any other and exits 1, and the replay goes on, since
-an I1 after it is still worth seeing; only a file that cannot be read exits 2.
+an I1 after it is still worth seeing; only a file that cannot be read exits 2, and so does a
+trace with no event in it (nothing was checked: "clean" would be a claim about nothing). A
+trace that ends with jobs outstanding or a shrink unfinished is not a violation (a journal read
+while its server runs ends so) but it is what a crashed run leaves, so the report says so beside
+"clean" rather than let a crash read as a clean run (``unfinished``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class CheckResult:
     # A rotated journal: which segments exist and which were read (None for one file read whole).
     segments_note: str | None = None
     segments: list[dict[str, object]] | None = None
+    # What the trace leaves unfinished at its end (see ``unfinished``); empty for most traces.
+    ends: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def run_check(
@@ -57,7 +63,7 @@ def run_check(
 ) -> CheckResult:
     with Trace(path, progress=progress, note=False) as trace:
         ledger, skip = start_ledger(trace, policy, snapshot)
-        for batch in trace.batches(skip, "checking"):
+        for batch in trace.batches(skip, "checking", require_events=True):
             feed(ledger, batch, derived)
         return CheckResult(
             path=path,
@@ -68,7 +74,55 @@ def run_check(
             policy_overridden=policy is not None and ledger.policy is not trace.header.policy,
             segments_note=trace.segments_note(),
             segments=trace.segments_json(),
+            ends=unfinished(ledger),
         )
+
+
+def unfinished(lg: Ledger) -> dict[str, Any]:
+    """What is still under way when the trace ends: ``outstanding_jobs`` (a count) with the
+    ``oldest_job`` among those that pin a page, and ``shrink`` when more pages are mapped than
+    the last memory limit allows. Empty when nothing is: a run that stopped cleanly."""
+    out: dict[str, Any] = {}
+    if n := lg.outstanding_jobs():
+        out["outstanding_jobs"] = n
+        # Jobs are found through the pages they pin (O(pinned pages)): the ledger's questions
+        # are per page, and a job over no page holds nothing back.
+        jobs = {r.job: r for p in lg.pinned() for r in lg.why(p).pins if r.kind == "job"}
+        if jobs:
+            r = min(jobs.values(), key=lambda r: (r.since_build, r.job or 0))
+            out["oldest_job"] = {
+                "job": r.job,
+                "kind": r.job_kind,
+                "request": r.request,
+                "build": r.since_build,
+                "waiting_workers": r.waiting_workers,
+            }
+    if lg.limit is not None and lg.mapped_pages > lg.limit:
+        out["shrink"] = {"limit": lg.limit, "mapped_pages": lg.mapped_pages}
+    return out
+
+
+def unfinished_lines(ends: dict[str, Any]) -> list[str]:
+    """The text form of ``unfinished``: one line per thing under way, indented."""
+    lines = []
+    if n := ends.get("outstanding_jobs"):
+        line = f"  {n:,} job(s) outstanding"
+        if (j := ends.get("oldest_job")) is not None:
+            line += (
+                f"; the oldest: {j['kind']} job {j['job']} of request {j['request']}, built in build {j['build']}, "
+                f"waiting on {j['waiting_workers']} worker(s)"
+            )
+        lines.append(line)
+    if (s := ends.get("shrink")) is not None:
+        lines.append(f"  a shrink unfinished: {s['mapped_pages']:,} page(s) mapped over a limit of {s['limit']:,}")
+    return lines
+
+
+# Why an unfinished end is worth a line though it is no violation.
+UNFINISHED_WHY: Final = (
+    "not a violation: a run that crashed or whose journal was cut short ends so, as does a journal read while its "
+    "server runs"
+)
 
 
 def report_head(path: str, lg: Ledger, derived: bool) -> dict[str, Any]:
@@ -87,11 +141,13 @@ def report(result: CheckResult) -> dict[str, Any]:
     lg = result.ledger
     torn = result.torn_tail
     # Only for a trace of several files, so that the report of a one-file trace (every golden
-    # trace) keeps its exact form.
+    # trace) keeps its exact form; ``unfinished`` likewise only when something is.
     rotated = {"segments": result.segments} if result.segments is not None else {}
+    ends = {"unfinished": result.ends} if result.ends else {}
     return {
         **report_head(result.path, lg, result.derived),
         **rotated,
+        **ends,
         "from_snapshot": result.from_snapshot,
         "torn_tail": msgspec.to_builtins(torn) if torn is not None else None,
         "summary": lg.counters(),
@@ -143,8 +199,14 @@ def render(result: CheckResult, limit: int) -> str:
         print(f"... and {len(lg.violations) - len(shown):,} more (--limit 0 shows all)", file=out)
     if lg.violations:
         print(f"{len(lg.violations):,} violation(s): {kinds(lg.violations)}", file=out)
+        if result.ends:
+            print(f"the trace ends unfinished ({UNFINISHED_WHY}):", file=out)
+    elif result.ends:
+        print(f"clean: no invariant violated, but the trace ends unfinished ({UNFINISHED_WHY}):", file=out)
     else:
         print("clean: no invariant violated", file=out)
+    for line in unfinished_lines(result.ends):
+        print(line, file=out)
     print(summary_line(lg), file=out)
     if not result.derived and lg.maps == 0 and lg.jobs_built + lg.builds > 0:
         print("note: the trace records no map decisions; --derive re-derives them", file=out)
@@ -167,11 +229,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
     p = sub.add_parser(
         "check",
         parents=[common],
-        help="replay a trace and report every invariant violation (exit 0 clean, 1 violation, 2 unreadable)",
+        help="replay a trace and report every invariant violation (exit 0 clean, 1 violation, 2 unreadable or empty)",
         description="Replay every event of TRACE through the ledger under its recorded policy with its recorded "
         "map/unmap decisions, and report each invariant violation as a short witness. Exit 0 when clean, 1 when a "
         "violation was found (a malformed sequence, such as a report for a job never built, is an I3 violation), "
-        "2 when the trace cannot be read.",
+        "2 when the trace cannot be read or holds no event. A trace that ends with jobs outstanding or a shrink "
+        "unfinished (as a crashed run's does) is no violation, but the report says so.",
     )
     p.add_argument("--json", action="store_true", help="print a deterministic JSON report (golden traces keep it)")
     p.add_argument("--limit", type=int, default=10, metavar="N", help="witnesses to print (0: all; default 10)")

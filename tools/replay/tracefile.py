@@ -94,10 +94,14 @@ class Trace:
     def policy(self, override: str | None) -> Policy:
         return Policy(override) if override else self.header.policy
 
-    def batches(self, skip: int = 0, label: str = "replaying") -> Iterator[list[Event]]:
+    def batches(
+        self, skip: int = 0, label: str = "replaying", *, require_events: bool = False
+    ) -> Iterator[list[Event]]:
         """The trace's events after the first ``skip`` (a global index), a frame at a time.
 
         Warns about a torn tail once the stream ends; a damaged frame raises ``JournalError``.
+        ``require_events``: a journal that holds no complete event (only its header, or a first
+        frame cut off) raises ``ReplayError`` saying nothing was checked, instead of the warning.
         """
         j = self.journal
         size = j.size
@@ -107,6 +111,8 @@ class Trace:
                 advance(position)
                 yield events
         self.events = j.events_read
+        if require_events and self.events == self.first_event:
+            raise ReplayError(_no_event(j))
         if self._note and (note := self.segments_note()) is not None:
             print(f"kvreplay: note: {self.path}: {note}", file=sys.stderr)
         self.torn_tail = j.torn_tail
@@ -155,6 +161,18 @@ class Trace:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _no_event(j: RotatedJournal) -> str:
+    files = f"its {len(j.segments)} files hold" if len(j.segments) > 1 else "it holds"
+    if j.torn_tail is None:
+        return f"{j.path}: no event to check: {files} a header and no event; nothing was checked"
+    t = j.torn_tail
+    return (
+        f"{j.torn_segment or j.path}: no event to check: its first frame is cut off at byte {t.offset} "
+        f"({t.bytes_present} of {t.frame_bytes_expected} bytes present), as an interrupted write leaves it; "
+        "nothing was checked"
+    )
 
 
 @contextlib.contextmanager
