@@ -558,3 +558,21 @@ def test_a_trace_that_ends_with_jobs_outstanding_or_a_shrink_unfinished_says_so(
     assert code == 0 and "clean: no invariant violated\n" in out and "unfinished" not in out
     code, out, _ = check(capsys, path, "--json")
     assert "unfinished" not in json.loads(out)
+
+
+def test_an_unfinished_end_is_said_after_the_violations_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # finish-in-write-step under legacy, cut after its I1 (event 6) and before job 0 is reported.
+    sc = SCENARIOS["finish-in-write-step"]()
+    h = msgspec.structs.replace(sc.header, policy=Policy.LEGACY)
+    path = tmp_path / "cut.kvj"
+    with JournalWriter.create(path, h) as w:
+        w.append(list(derive(Ledger(h), sc.events))[:8])
+    code, out, err = check(capsys, path)
+    assert code == 1 and err == []
+    lines = out.splitlines()
+    at = lines.index("1 violation(s): I1 unmap-under-job x1")
+    assert lines[at + 1].startswith("the trace ends unfinished (not a violation: ")
+    assert lines[at + 2].startswith("  1 job(s) outstanding; the oldest: store job 0 of request ")
+    assert json.loads(check(capsys, path, "--json")[1])["unfinished"]["outstanding_jobs"] == 1
