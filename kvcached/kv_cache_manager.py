@@ -146,6 +146,8 @@ class KVCacheManager:
         self.recorder = recorder
         self.pool = pool
         self._bpp = geometry.blocks_per_page
+        self._last_page = geometry.num_pages - 1
+        self._short = self._bpp * geometry.num_pages - geometry.num_blocks  # blocks the last page lacks
         simple = geometry.regions == 1 and not replicas
         mapper: PageMapper = backend if simple else _Slots((backend, *replicas), geometry)
         self.allocator = PageAllocator(
@@ -197,9 +199,15 @@ class KVCacheManager:
     # --- allocation ---------------------------------------------------------------------------
 
     def available_size(self) -> int:
-        """Blocks that ``alloc`` can hand out now (fewer while a shrink is pending)."""
+        """Blocks that ``alloc`` can hand out now (fewer while a shrink is pending), exactly.
+
+        vLLM's scheduler asks for as many blocks as the page-aware pool reports free, inside
+        ``Scheduler.schedule()``, so an overcount is an engine crash, not a refusal."""
         pages = self.allocator.pages_available()
-        return min(self._partial_free + pages * self._bpp, self.geometry.num_blocks - self.num_allocated)
+        blocks = self._partial_free + pages * self._bpp
+        if pages and self._short and self.allocator.hands_out(self._last_page):
+            blocks -= self._short  # the last page holds fewer blocks than the others
+        return min(blocks, self.geometry.num_blocks - self.num_allocated)
 
     def alloc(self, n: int) -> list[int]:
         """``n`` blocks, from partly used pages first; all or nothing."""

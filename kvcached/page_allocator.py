@@ -120,6 +120,19 @@ class PageAllocator:
             return len(self._reserved) - len(self._goable)
         return len(self._reserved) + min(len(self._free), self.limit - self.mapped)
 
+    def hands_out(self, page: int) -> bool:
+        """Whether ``page`` is one of the ``pages_available()`` pages that ``alloc_page`` would
+        hand out now. The manager asks for the pool's last page, which holds fewer blocks when
+        the block count is not a multiple of blocks per page: counting it as a full page made
+        vLLM's scheduler ask for blocks that do not exist (issue 13, item 1)."""
+        if self.shrinking:
+            return page in self._reserved and page not in self._goable
+        if page in self._reserved:
+            return True
+        # A free page (neither reserved nor in use) is mapped lowest first: the highest one is
+        # among those available only when every free page is.
+        return page not in self._in_use and self.limit - self.mapped >= len(self._free)
+
     # --- handing pages out and taking them back -----------------------------------------------
 
     def alloc_page(self) -> int:

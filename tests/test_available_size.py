@@ -1,0 +1,107 @@
+"""``alloc(available_size())`` always succeeds (issue 13, item 1).
+
+vLLM's scheduler trusts the page-aware pool's free-block count and asks for that many blocks
+inside ``Scheduler.schedule()``; an ``OutOfPagesError`` there kills the engine. The count was
+wrong when the pool's last page is short (the block count is not a multiple of blocks per page,
+as in serving) and a memory limit or a pending shrink leaves only some pages available.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcached.backends.host import HostBackend
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
+from kvcached.ledger.events import BuildBoundary
+
+KiB = 1024
+PAGE = 64 * KiB
+
+
+def manager(num_blocks: int, per_page: int, policy: str = "ledger", **kw: int) -> KVCacheManager:
+    geo = KVGeometry(num_blocks=num_blocks, block_bytes=PAGE // per_page, page_bytes=PAGE)
+    return KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE), policy=policy, **kw)
+
+
+def test_the_short_last_page_is_not_counted_as_a_full_one() -> None:
+    # The reproduction of the issue: 28 blocks, 8 per page (the last page holds 4).
+    m = manager(28, 8)
+    try:
+        blocks = m.alloc(28)
+        m.free(blocks[8:16])  # page 1
+        m.recorder.emit(BuildBoundary(0))  # its grace ends
+        m.drain_releasable()  # as the bridge does after each of its events
+        m.free(blocks[24:])  # the short last page
+        for limit in (2, 3):
+            m.set_limit_pages(limit)
+            n = m.available_size()
+            got = m.alloc(n)
+            assert len(got) == n
+            m.free(got)
+    finally:
+        m.backend.close()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    per_page=st.sampled_from([1, 2, 3, 8]),
+    pages=st.integers(1, 4),
+    short=st.integers(0, 7),
+    policy=st.sampled_from(["ledger", "legacy"]),
+    reserve=st.tuples(st.integers(0, 2), st.integers(0, 3)),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["alloc", "free", "free-page", "build", "limit"]), st.integers(0, 10**6)),
+        max_size=16,
+    ),
+)
+def test_alloc_of_available_size_always_succeeds(
+    per_page: int, pages: int, short: int, policy: str, reserve: tuple[int, int], ops: list[tuple[str, int]]
+) -> None:
+    num_blocks = pages * per_page + short % per_page
+    lo, hi = min(reserve), max(reserve)
+    m = manager(num_blocks, per_page, policy, min_reserved=lo, max_reserved=hi)
+    held: list[int] = []
+    build = 0
+    try:
+        for op, x in ops:
+            if op == "alloc":
+                avail = m.available_size()
+                held += m.alloc(avail if x % 2 else x % (avail + 1))  # fill up, or take some
+            elif op == "free" and held:
+                k = x % len(held) + 1
+                gone, held = held[:k], held[k:]
+                m.free(gone)
+            elif op == "free-page" and held:  # empties a page: what lets the allocator give it back
+                page = m.page_of(held[x % len(held)])
+                gone = [b for b in held if m.page_of(b) == page]
+                held = [b for b in held if m.page_of(b) != page]
+                m.free(gone)
+            elif op == "build":
+                m.recorder.emit(BuildBoundary(build))
+                m.drain_releasable()
+                build += 1
+            elif op == "limit":
+                m.set_limit_pages(x % (m.geometry.num_pages + 2))
+            n = m.available_size()
+            assert 0 <= n <= num_blocks - m.num_allocated
+            got = m.alloc(n)  # must not raise
+            assert len(got) == n
+            m.free(got)
+    finally:
+        m.backend.close()
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_available_size_is_exact_under_a_limit(limit: int) -> None:
+    # Not only safe but exact: one more block than available is refused.
+    m = manager(28, 8)
+    try:
+        m.set_limit_pages(limit)
+        n = m.available_size()
+        assert n == min(28, sum(min(8, 28 - 8 * p) for p in range(limit)))
+        got = m.alloc(n)
+        assert len(got) == n
+    finally:
+        m.backend.close()
