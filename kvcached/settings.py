@@ -169,6 +169,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # KVCACHED_MAX_CACHED_TOKENS: prefix-cached tokens kept on pages (upstream's default); None: no cap
     max_cached_tokens: int | None = UPSTREAM_MAX_CACHED_TOKENS
 
+    @staticmethod
+    def enabled_in(env: Mapping[str, str] | None = None) -> bool:
+        """``ENABLE_KVCACHED`` alone: with kvcached off, its other settings are not kvcached's to
+        judge, and a malformed one must not keep plain vLLM from starting."""
+        return _flag(os.environ if env is None else env, ENABLE)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         e = os.environ if env is None else env

@@ -165,3 +165,19 @@ def test_the_plugin_refuses_in_exactly_one_line(env: dict[str, str], needle: str
     lines = (r.stderr + r.stdout).splitlines()
     assert len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith(f"kvcached: {needle}") and "Traceback" not in r.stderr
+
+
+def test_with_kvcached_off_its_other_settings_do_not_stop_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The plugin is loaded by every vLLM process once kvcached is installed; off, it must do
+    # nothing at all, whatever else KVCACHED_* holds.
+    from kvcached.serve import plugin
+
+    monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE_MB", "nan")
+    plugin.register()
+    monkeypatch.setenv("ENABLE_KVCACHED", "0")
+    plugin.register()
+    assert plugin._installed is None
+    monkeypatch.setenv("ENABLE_KVCACHED", "maybe")
+    with pytest.raises(SystemExit, match="ENABLE_KVCACHED"):
+        plugin.register()

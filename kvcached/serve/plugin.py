@@ -43,11 +43,11 @@ def register() -> None:
     """vLLM's entry point; idempotent, and a no-op unless ``ENABLE_KVCACHED`` is set."""
     global _installed
     try:
+        if not Settings.enabled_in() or _installed is not None:
+            return
         settings = Settings.from_env()
     except ConfigError as e:
         _refuse(str(e))
-    if not settings.enabled or _installed is not None:
-        return
     kv_memory.engine_key()  # made here, in the first process, so that every child inherits it
     _wrap_config(settings)
     _wrap_allocation(settings)
@@ -148,7 +148,7 @@ class EngineState:
         backend = kv_memory.attach(plan, key=kv_memory.engine_key())
         geometry = plan.geometry
         block_size = int(scheduler.cache_config.block_size)
-        cap = None if settings.max_cached_tokens is None else settings.max_cached_tokens // block_size
+        cap = settings.max_cached_blocks(block_size)
         # The journal is written by the ledger service's thread, off the scheduler's path, within
         # ``flush_interval`` of each event: vLLM kills the engine core at shutdown without
         # calling the scheduler's shutdown, so nothing may wait for a final flush.
