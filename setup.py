@@ -14,7 +14,14 @@ import sys
 
 from setuptools import setup
 
-COMPILED = ["kvcached/ledger/ledger.py", "kvcached/ledger/checks.py"]
+# ledger.py's hot handlers read the tables as native attributes only if tables.py is compiled
+# with them; queries.py is the ledger's base class, so it is compiled with it too.
+COMPILED = [
+    "kvcached/ledger/ledger.py",
+    "kvcached/ledger/checks.py",
+    "kvcached/ledger/tables.py",
+    "kvcached/ledger/queries.py",
+]
 
 
 def _ext_modules() -> list[object]:

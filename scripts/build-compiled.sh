@@ -9,7 +9,8 @@ rm -rf "$out" && mkdir -p "$out"
 cp -r "$root/kvcached" "$out/"
 find "$out" -name '__pycache__' -prune -exec rm -rf {} +
 cd "$out"
-"$root/.venv/bin/mypyc" kvcached/ledger/ledger.py kvcached/ledger/checks.py >build.log 2>&1 || {
+"$root/.venv/bin/mypyc" kvcached/ledger/ledger.py kvcached/ledger/checks.py kvcached/ledger/tables.py \
+    kvcached/ledger/queries.py >build.log 2>&1 || {
     echo "mypyc failed; see $out/build.log" >&2
     exit 1
 }

@@ -20,9 +20,12 @@ PURE_CORE = (
     "kvcached.ledger.events",
     "kvcached.ledger.ledger",
     "kvcached.ledger.checks",
+    "kvcached.ledger.tables",
+    "kvcached.ledger.queries",
     "kvcached.ledger.state",
     "kvcached.ledger.findings",
     "kvcached.ledger.journal",
+    "kvcached.ledger.files",
 )
 
 

@@ -19,16 +19,17 @@ which most readers take to mean "cannot be mapped".) Pins are of three kinds:
 
 Invariants I1-I4 (see ``findings.INVARIANTS``) are checked on every event. A violation is
 recorded as a value and the ledger keeps going: replay must see every violation, not the first.
+
+This module holds the rules only: the state they change is declared in ``tables``, the questions
+that read it are in ``queries``, the slow paths (witnesses, I4) in ``checks``, and snapshots in
+``state``; all of them take the tables, none of them the ledger.
 """
 
 from __future__ import annotations
 
-import bisect
-from array import array
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import ConfigError
 from . import checks
 from .events import (
     BlockAlloc,
@@ -38,7 +39,6 @@ from .events import (
     Gap,
     Header,
     JobBuilt,
-    JobKind,
     JobReported,
     MemoryLimit,
     PageMapped,
@@ -51,14 +51,20 @@ from .events import (
     WindowHold,
     WindowRelease,
 )
-from .findings import InvariantId, PageStatus, PinReason, Violation
-from .state import JobState, LedgerSnapshot
+from .queries import LedgerQueries
+from .state import LedgerSnapshot, restore_snapshot, take_snapshot
+from .tables import LedgerTables
 
 DEFAULT_LIVENESS_BUILDS = 16
 
 
-class Ledger:
-    """Derives the releasable pages from events and checks invariants I1-I4 on each."""
+class Ledger(LedgerQueries):
+    """Derives the releasable pages from events and checks invariants I1-I4 on each.
+
+    The questions (``why``, ``releasable``, ``index``, ...) are ``LedgerQueries``'; the state is
+    ``tables`` (a ``LedgerTables``), which the rules below change (and ``checks``, when they
+    record what they found).
+    """
 
     def __init__(
         self,
@@ -67,78 +73,8 @@ class Ledger:
         *,
         liveness_builds: int = DEFAULT_LIVENESS_BUILDS,
     ) -> None:
-        self.header = header
-        self.policy = Policy(policy) if policy is not None else header.policy
-        self._legacy = self.policy is Policy.LEGACY
-        self.liveness_builds = liveness_builds
-        self._bpp: list[int] = []
-        self._first: list[int] = []
-        pages = 0
-        for pool in header.pools:
-            bpp = header.page_bytes // pool.block_bytes
-            if bpp < 1:
-                raise ConfigError(
-                    f"a block of {pool.block_bytes} bytes does not fit a {header.page_bytes}-byte page: "
-                    "raise KVCACHED_PAGE_SIZE_MB or lower the block size"
-                )
-            self._bpp.append(bpp)
-            self._first.append(pages)
-            pages += -(-pool.num_blocks // bpp)
-        self.num_pages = pages
-        nb = [p.num_blocks for p in header.pools]
-        # Per block: its page, allocated flag, page epoch when written (-1: never), and event
-        # indices for witnesses.
-        self._npools = len(nb)
-        self._bpage = [
-            [first + b // bpp for b in range(n)] for first, bpp, n in zip(self._first, self._bpp, nb, strict=True)
-        ]
-        self._alloc = [bytearray(n) for n in nb]
-        self._bepoch = [[-1] * n for n in nb]
-        self._balloc_ix = [[-1] * n for n in nb]
-        self._bfree_ix = [[-1] * n for n in nb]
-        # Per page.
-        self._page_alloc = [0] * pages
-        self._mapped = bytearray(pages)
-        self._epoch = [0] * pages  # number of unmaps so far: a block written in another epoch is lost
-        self._unmap_ix = [-1] * pages
-        self._pfree_ix = [-1] * pages
-        self._pins = [0] * pages
-        # Jobs built over each page since its job pins were last zero, oldest first. A report does
-        # not touch this (it only counts _jobpins down), so entries of reported jobs linger until
-        # the page's next job starts a fresh list; readers filter with jobs_on(page).
-        self._page_jobs: dict[int, list[int]] = {}
-        self._jobpins = [0] * pages
-        self._grace: dict[int, int] = {}  # page -> index of the free that emptied it
-        self._grace_due: dict[int, list[int]] = {}  # build -> pages whose grace ends there
-        self._holds: dict[int, dict[int, int]] = {}  # page -> {req: since build}
-        self._req_holds: dict[int, set[int]] = {}
-        self._jobs: dict[int, JobState] = {}
-        self._req_jobs: dict[int, int] = {}  # request -> its outstanding jobs (a count)
-        self._names: dict[int, str] = {}
-        self._finished: dict[int, int] = {}  # req -> build of its last build, while jobs remain
-        self._finish_due: dict[int, list[int]] = {}
-        self._preempted: dict[int, int] = {}
-        self._releasable: set[int] = set()
-        self._fresh: list[int] = []
-        self.index = 0
-        self.build = 0  # the build being assembled: jobs seen now belong to it
-        # Event index of each BuildBoundary and the build it closed, so that a witness can say
-        # in which build an old event happened: 16 bytes per build in two int64 arrays (a list
-        # would cost ~90 bytes a build and make a 10-million-event replay grow visibly).
-        self._boundary_ix = array("q")
-        self._boundary_build = array("q")
-        self.limit: int | None = None
-        self.mapped_pages = 0
-        self.pinned_pages = 0
-        self.peak_pinned_pages = 0
-        self.lossy = False
-        self.dropped_events = 0
-        self.violations: list[Violation] = []
-        self._job_violation: dict[int, list[int]] = {}
-        self._stall_since: int | None = None
-        self._stall_reported = False
-        self._hold_reported: set[int] = set()
-        self.builds = self.jobs_built = self.maps = self.unmaps = self.prefix_cache_resets = 0
+        # All state lives in the tables (see tables.py for why): this class is the rules.
+        self.tables = LedgerTables(header, Policy(policy) if policy is not None else header.policy, liveness_builds)
         self._dispatch: dict[type, Callable[[Any], None]] = {
             BuildBoundary: self._build_boundary,
             BlockAlloc: self._block_alloc,
@@ -156,111 +92,6 @@ class Ledger:
             PageUnmapped: self._page_unmapped,
             Gap: self._gap,
         }
-
-    # --- the questions ----------------------------------------------------------------------
-
-    @property
-    def releasable(self) -> Set[int]:
-        """Pages that may be unmapped now under the policy (a live view: do not keep it)."""
-        return self._releasable
-
-    def is_releasable(self, page: int) -> bool:
-        return page in self._releasable
-
-    def is_mapped(self, page: int) -> bool:
-        return bool(self._mapped[page])
-
-    def is_pinned(self, page: int) -> bool:
-        return self._pins[page] > 0
-
-    def allocated_blocks(self, page: int) -> int:
-        return self._page_alloc[page]
-
-    def page_of(self, pool: int, block: int) -> int:
-        return self._first[pool] + block // self._bpp[pool]
-
-    def pool_pages(self, pool: int) -> range:
-        """The global page ids of ``pool``'s blocks."""
-        nb = self.header.pools[pool].num_blocks
-        return range(self._first[pool], self._first[pool] + -(-nb // self._bpp[pool]))
-
-    def take_fresh_releasable(self) -> list[int]:
-        """Pages that became releasable since the last call and still are (for an allocator)."""
-        fresh, self._fresh = self._fresh, []
-        unm = self._releasable
-        return [p for p in dict.fromkeys(fresh) if p in unm]
-
-    def build_of(self, index: int) -> int:
-        """The build an event index belonged to (-1 for an index before the trace)."""
-        if index < 0:
-            return -1
-        k = bisect.bisect_left(self._boundary_ix, index)
-        return self._boundary_build[k] if k < len(self._boundary_ix) else self.build
-
-    def counters(self) -> dict[str, int]:
-        """Totals for summaries: events, builds, jobs, maps, unmaps, peaks."""
-        return {
-            "events": self.index,
-            "builds": self.builds,
-            "jobs": self.jobs_built,
-            "outstanding_jobs": len(self._jobs),
-            "maps": self.maps,
-            "unmaps": self.unmaps,
-            "mapped_pages": self.mapped_pages,
-            "pinned_pages": self.pinned_pages,
-            "peak_pinned_pages": self.peak_pinned_pages,
-            "prefix_cache_resets": self.prefix_cache_resets,
-            "dropped_events": self.dropped_events,
-        }
-
-    def pending_grace_pages(self) -> int:
-        """Pages held only until a coming build: the engine must keep building to drain them."""
-        return len(self._grace)
-
-    def outstanding_jobs(self) -> int:
-        return len(self._jobs)
-
-    def request_name(self, req: int) -> str:
-        return self._names.get(req, f"r{req}")
-
-    def jobs_on(self, page: int) -> list[int]:
-        """Outstanding jobs pinning ``page``, by id, in O(jobs built on it since it was last free)."""
-        if not self._jobpins[page]:
-            return []
-        jobs = self._jobs
-        return sorted(j for j in self._page_jobs[page] if j in jobs and page in jobs[j][2])
-
-    def why(self, page: int) -> PageStatus:
-        """Every reason ``page`` is kept, in O(pins on the page)."""
-        pins: list[PinReason] = []
-        for job in self.jobs_on(page):
-            kind, req, _, workers, reported, build, _ = self._jobs[job]
-            pins.append(
-                PinReason(
-                    kind="job",
-                    since_build=build,
-                    job=job,
-                    job_kind="store" if kind == JobKind.STORE else "load",
-                    request=self.request_name(req),
-                    waiting_workers=workers - reported,
-                )
-            )
-        if page in self._grace:
-            pins.append(PinReason(kind="grace", since_build=self.build, until_build=self.build))
-        for req, since in sorted(self._holds.get(page, {}).items()):
-            pins.append(PinReason(kind="window", since_build=since, request=self.request_name(req)))
-        return PageStatus(
-            page=page,
-            mapped=bool(self._mapped[page]),
-            allocated_blocks=self._page_alloc[page],
-            releasable=page in self._releasable,
-            policy=self.policy.value,
-            pins=tuple(pins),
-        )
-
-    def pinned(self) -> Iterable[int]:
-        """Pages with at least one pin, in page order (O(pages): for views, not hot paths)."""
-        return (p for p, n in enumerate(self._pins) if n)
 
     # --- applying events ----------------------------------------------------------------------
     # The handlers below are the scheduler's hot path (budget: about 1 us per free or report on
@@ -283,114 +114,115 @@ class Ledger:
             self._build_boundary(event)  # type: ignore[arg-type]
         else:
             self._dispatch[t](event)
-        self.index += 1
+        self.tables.index += 1
 
     def apply_all(self, events: Iterable[Event]) -> None:
         for event in events:
             self.apply(event)
 
     def _refresh(self, p: int) -> None:
-        if self._mapped[p] and not self._page_alloc[p] and (self._legacy or not self._pins[p]):
-            if p not in self._releasable:
-                self._releasable.add(p)
-                self._fresh.append(p)
+        t = self.tables
+        if t.mapped[p] and not t.page_alloc[p] and (t.legacy or not t.pins[p]):
+            if p not in t.releasable:
+                t.releasable.add(p)
+                t.fresh.append(p)
         else:
-            self._releasable.discard(p)
+            t.releasable.discard(p)
 
     def _pin(self, p: int) -> None:
-        n = self._pins[p]
-        self._pins[p] = n + 1
+        t = self.tables
+        n = t.pins[p]
+        t.pins[p] = n + 1
         if not n:
-            self.pinned_pages += 1
-            if self.pinned_pages > self.peak_pinned_pages:
-                self.peak_pinned_pages = self.pinned_pages
-            if not self._legacy:
-                self._releasable.discard(p)
+            t.pinned_pages += 1
+            if t.pinned_pages > t.peak_pinned_pages:
+                t.peak_pinned_pages = t.pinned_pages
+            if not t.legacy:
+                t.releasable.discard(p)
 
     def _unpin(self, p: int) -> None:
-        n = self._pins[p] - 1
-        self._pins[p] = n
+        t = self.tables
+        n = t.pins[p] - 1
+        t.pins[p] = n
         if not n:
-            self.pinned_pages -= 1
-            if not self._legacy and self._mapped[p] and not self._page_alloc[p] and p not in self._releasable:
-                self._releasable.add(p)
-                self._fresh.append(p)
-
-    def _violate(self, invariant: InvariantId, code: str, message: str, **kw: Any) -> None:
-        self.violations.append(
-            Violation(invariant=invariant, code=code, index=self.index, build=self.build, message=message, **kw)
-        )
+            t.pinned_pages -= 1
+            if not t.legacy and t.mapped[p] and not t.page_alloc[p] and p not in t.releasable:
+                t.releasable.add(p)
+                t.fresh.append(p)
 
     # inputs
 
     def _build_boundary(self, ev: BuildBoundary) -> None:
+        t = self.tables
         n = ev.build
-        if n != self.build and not self.lossy:
-            self._violate("I3", "build-out-of-order", f"build {n} closed while build {self.build} was open")
-        due = self._grace_due
-        keys: Iterable[int] = range(self.build, n + 1) if 0 <= n - self.build <= 64 else [k for k in due if k <= n]
-        grace = self._grace
+        if n != t.build and not t.lossy:
+            t.violate("I3", "build-out-of-order", f"build {n} closed while build {t.build} was open")
+        due = t.grace_due
+        keys: Iterable[int] = range(t.build, n + 1) if 0 <= n - t.build <= 64 else [k for k in due if k <= n]
+        grace = t.grace
         for k in keys:
             pages = due.pop(k, None)
             if pages:
                 for p in pages:
                     if grace.pop(p, None) is not None:
                         self._unpin(p)
-            reqs = self._finish_due.pop(k, None)
+            reqs = t.finish_due.pop(k, None)
             if reqs:
                 for req in reqs:
-                    checks.finished_request(self, req, n)
-        self._boundary_ix.append(self.index)
-        self._boundary_build.append(n)
-        self.build = n + 1
-        self.builds += 1
-        if self.limit is not None and self.mapped_pages > self.limit:
-            checks.shrink(self, n)
-        elif self._stall_since is not None or self._stall_reported:
-            self._stall_since = None
-            self._stall_reported = False
+                    checks.finished_request(t, req, n)
+        t.boundary_ix.append(t.index)
+        t.boundary_build.append(n)
+        t.build = n + 1
+        t.builds += 1
+        if t.limit is not None and t.mapped_pages > t.limit:
+            checks.shrink(t, n)
+        elif t.stall_since is not None or t.stall_reported:
+            t.stall_since = None
+            t.stall_reported = False
 
     def _block_alloc(self, ev: BlockAlloc) -> None:
+        t = self.tables
         pool = ev.pool
-        if pool >= self._npools:
-            checks.bad_pool(self, pool, "BlockAlloc")
+        if pool >= t.npools:
+            checks.bad_pool(t, pool, "BlockAlloc")
             return
-        alloc, bpage, bepoch, aix = self._alloc[pool], self._bpage[pool], self._bepoch[pool], self._balloc_ix[pool]
-        page_alloc, mapped, epoch, i, nb = self._page_alloc, self._mapped, self._epoch, self.index, len(alloc)
+        alloc, bpage, bepoch, aix = t.alloc[pool], t.bpage[pool], t.bepoch[pool], t.balloc_ix[pool]
+        page_alloc, mapped, epoch, i, nb = t.page_alloc, t.mapped, t.epoch, t.index, len(alloc)
         blocks: tuple[int, ...] = ev.blocks  # typed for mypyc: native ints in the loop
         for b in blocks:
             if b >= nb:
-                checks.bad_block(self, pool, b, "BlockAlloc")
+                checks.bad_block(t, pool, b, "BlockAlloc")
                 continue
             p = bpage[b]
             if alloc[b]:
-                self._violate("I3", "double-alloc", f"block {b} of pool {pool} allocated twice", page=p)
+                t.violate("I3", "double-alloc", f"block {b} of pool {pool} allocated twice", page=p)
                 continue
             if not mapped[p]:
-                self._violate("I2", "alloc-on-unmapped", f"block {b} of pool {pool} given on an unmapped page", page=p)
+                t.violate("I2", "alloc-on-unmapped", f"block {b} of pool {pool} given on an unmapped page", page=p)
             alloc[b] = 1
             bepoch[b] = epoch[p]
             aix[b] = i
             n = page_alloc[p]
             page_alloc[p] = n + 1
             if not n:
-                self._releasable.discard(p)
+                t.releasable.discard(p)
 
     def _block_free(self, ev: BlockFree) -> None:
+        t = self.tables
         pool = ev.pool
-        if pool >= self._npools:
-            checks.bad_pool(self, pool, "BlockFree")
+        if pool >= t.npools:
+            checks.bad_pool(t, pool, "BlockFree")
             return
-        alloc, bpage, fix, pfix = self._alloc[pool], self._bpage[pool], self._bfree_ix[pool], self._pfree_ix
-        page_alloc, grace, pins, i, nb = self._page_alloc, self._grace, self._pins, self.index, len(alloc)
+        alloc, bpage, fix, pfix = t.alloc[pool], t.bpage[pool], t.bfree_ix[pool], t.pfree_ix
+        page_alloc, grace, pins, i, nb = t.page_alloc, t.grace, t.pins, t.index, len(alloc)
         blocks: tuple[int, ...] = ev.blocks  # typed for mypyc: native ints in the loop
         for b in blocks:
             if b >= nb:
-                checks.bad_block(self, pool, b, "BlockFree")
+                checks.bad_block(t, pool, b, "BlockFree")
                 continue
             p = bpage[b]
             if not alloc[b]:
-                self._violate("I3", "double-free", f"block {b} of pool {pool} freed while not allocated", page=p)
+                t.violate("I3", "double-free", f"block {b} of pool {pool} freed while not allocated", page=p)
                 continue
             alloc[b] = 0
             fix[b] = i
@@ -401,30 +233,31 @@ class Ledger:
                 continue
             # The page is empty: grace until the open build is built (its jobs may still read it).
             if p not in grace:
-                due = self._grace_due.get(self.build)
+                due = t.grace_due.get(t.build)
                 if due is None:
-                    self._grace_due[self.build] = [p]
+                    t.grace_due[t.build] = [p]
                 else:
                     due.append(p)
                 k = pins[p]
                 pins[p] = k + 1
                 if not k:
-                    self.pinned_pages += 1
-                    if self.pinned_pages > self.peak_pinned_pages:
-                        self.peak_pinned_pages = self.pinned_pages
+                    t.pinned_pages += 1
+                    if t.pinned_pages > t.peak_pinned_pages:
+                        t.peak_pinned_pages = t.pinned_pages
             grace[p] = i
-            if self._legacy and self._mapped[p] and p not in self._releasable:
-                self._releasable.add(p)
-                self._fresh.append(p)
+            if t.legacy and t.mapped[p] and p not in t.releasable:
+                t.releasable.add(p)
+                t.fresh.append(p)
 
     def _job_built(self, ev: JobBuilt) -> None:
+        t = self.tables
         job = ev.job
-        if job in self._jobs:
-            self._violate("I3", "duplicate-job", f"job {job} built again while outstanding", job=job)
+        if job in t.jobs:
+            t.violate("I3", "duplicate-job", f"job {job} built again while outstanding", job=job)
             return
         store = ev.kind == 0  # JobKind.STORE
         pages: list[int] = []
-        epoch, mapped = self._epoch, self._mapped
+        epoch, mapped = t.epoch, t.mapped
         lost = False
         last = -1
         groups: tuple[tuple[int, ...], ...] = ev.blocks
@@ -432,10 +265,10 @@ class Ledger:
             ids: tuple[int, ...] = groups[pool]
             if not ids:
                 continue
-            if pool >= self._npools:
-                checks.bad_pool(self, pool, f"job {job}")
+            if pool >= t.npools:
+                checks.bad_pool(t, pool, f"job {job}")
                 return
-            bpage, bepoch = self._bpage[pool], self._bepoch[pool]
+            bpage, bepoch = t.bpage[pool], t.bepoch[pool]
             try:
                 # A store reads intact data only if the page was not unmapped since the block
                 # was written (epoch -1: never written); a load needs its page mapped. Blocks
@@ -457,20 +290,19 @@ class Ledger:
                         if not mapped[p]:
                             lost = True
             except IndexError:
-                checks.bad_block(self, pool, max(ids), f"job {job}")
+                checks.bad_block(t, pool, max(ids), f"job {job}")
                 return
         if len(pages) > 1 and not _increasing(pages):  # runs of blocks give increasing pages
             pages = list(dict.fromkeys(pages))
         if lost:
-            checks.lost_blocks(self, ev)
-        # [kind, req, pages, workers, reported, build, index]: a list, because building a
-        # slotted object costs a third of this handler's budget.
+            checks.lost_blocks(t, ev)
+        # A JobState list (see tables.py): building a slotted object costs a third of this budget.
         req = ev.req
-        self._jobs[job] = [ev.kind, req, tuple(pages), ev.workers, 0, self.build, self.index]
-        req_jobs = self._req_jobs
+        t.jobs[job] = [ev.kind, req, tuple(pages), ev.workers, 0, t.build, t.index]
+        req_jobs = t.req_jobs
         req_jobs[req] = req_jobs.get(req, 0) + 1
-        page_jobs, jobpins, pins = self._page_jobs, self._jobpins, self._pins
-        legacy, unm = self._legacy, self._releasable
+        page_jobs, jobpins, pins = t.page_jobs, t.jobpins, t.pins
+        legacy, unm = t.legacy, t.releasable
         for p in pages:
             k = jobpins[p]
             jobpins[p] = k + 1
@@ -480,24 +312,25 @@ class Ledger:
                 lst = page_jobs[p]
                 lst.append(job)
                 if len(lst) > 2 * k + 8:  # a page that never comes free: drop reported jobs, amortised O(1)
-                    page_jobs[p] = [j for j in lst if j in self._jobs]
+                    page_jobs[p] = [j for j in lst if j in t.jobs]
             k = pins[p]
             pins[p] = k + 1
             if not k:
-                self.pinned_pages += 1
-                if self.pinned_pages > self.peak_pinned_pages:
-                    self.peak_pinned_pages = self.pinned_pages
+                t.pinned_pages += 1
+                if t.pinned_pages > t.peak_pinned_pages:
+                    t.peak_pinned_pages = t.pinned_pages
                 if not legacy:
                     unm.discard(p)
-        self.jobs_built += 1
+        t.jobs_built += 1
 
     def _job_reported(self, ev: JobReported) -> None:
         # Local annotations are for mypyc: typed ints and tuples compile to native operations.
+        t = self.tables
         job: int = ev.job
-        st = self._jobs.get(job)
+        st = t.jobs.get(job)
         if st is None:
-            if not self.lossy:
-                self._violate(
+            if not t.lossy:
+                t.violate(
                     "I3", "report-unknown-job",
                     f"job {job} reported but not outstanding (never built, or already fully reported)", job=job,
                 )
@@ -509,134 +342,141 @@ class Ledger:
         if reported < workers:
             return
         if reported > workers:
-            self._violate(
+            t.violate(
                 "I3", "over-report", f"job {job} reported {reported} times for {workers} worker(s)",
-                job=job, request=self.request_name(st[1]),
+                job=job, request=t.request_name(st[1]),
             )
-        del self._jobs[job]
-        jobpins, pins = self._jobpins, self._pins
+        del t.jobs[job]
+        jobpins, pins = t.jobpins, t.pins
         pages: tuple[int, ...] = st[2]
         for p in pages:
             jobpins[p] -= 1
             n = pins[p] - 1
             pins[p] = n
             if not n:
-                self.pinned_pages -= 1
-                if not self._legacy and self._mapped[p] and not self._page_alloc[p]:
-                    self._releasable.add(p)
-                    self._fresh.append(p)
+                t.pinned_pages -= 1
+                if not t.legacy and t.mapped[p] and not t.page_alloc[p]:
+                    t.releasable.add(p)
+                    t.fresh.append(p)
         req: int = st[1]
-        left = self._req_jobs[req] - 1
+        left = t.req_jobs[req] - 1
         if left:
-            self._req_jobs[req] = left
+            t.req_jobs[req] = left
         else:
-            del self._req_jobs[req]
-            if req in self._finished:
-                del self._finished[req]
-                self._names.pop(req, None)
-        if self._job_violation:
-            checks.late_copy(self, job)
+            del t.req_jobs[req]
+            if req in t.finished:
+                del t.finished[req]
+                t.names.pop(req, None)
+        if t.job_violation:
+            checks.late_copy(t, job)
 
     def _window_hold(self, ev: WindowHold) -> None:
-        if ev.pool >= self._npools:
-            checks.bad_pool(self, ev.pool, "WindowHold")
+        t = self.tables
+        if ev.pool >= t.npools:
+            checks.bad_pool(t, ev.pool, "WindowHold")
             return
-        bpage = self._bpage[ev.pool]
-        pages = {bpage[b] for b in ev.blocks if b < len(bpage) or checks.bad_block(self, ev.pool, b, "WindowHold")}
+        bpage = t.bpage[ev.pool]
+        pages = {bpage[b] for b in ev.blocks if b < len(bpage) or checks.bad_block(t, ev.pool, b, "WindowHold")}
         req = ev.req
-        mine = self._req_holds.setdefault(req, set())
+        mine = t.req_holds.setdefault(req, set())
         for p in pages - mine:
             mine.add(p)
-            self._holds.setdefault(p, {})[req] = self.build
+            t.holds.setdefault(p, {})[req] = t.build
             self._pin(p)
 
     def _release_holds(self, req: int) -> None:
-        for p in self._req_holds.pop(req, ()):
-            h = self._holds[p]
+        t = self.tables
+        for p in t.req_holds.pop(req, ()):
+            h = t.holds[p]
             del h[req]
             if not h:
-                del self._holds[p]
+                del t.holds[p]
             self._unpin(p)
 
     def _window_release(self, ev: WindowRelease) -> None:
         self._release_holds(ev.req)
-        self._preempted.pop(ev.req, None)
+        self.tables.preempted.pop(ev.req, None)
 
     def _request_added(self, ev: RequestAdded) -> None:
-        self._names[ev.req] = ev.name
+        self.tables.names[ev.req] = ev.name
 
     def _request_finished(self, ev: RequestFinished) -> None:
+        t = self.tables
         req = ev.req
         self._release_holds(req)
-        self._preempted.pop(req, None)
-        if req in self._req_jobs:
-            self._finished[req] = self.build
-            self._finish_due.setdefault(self.build + self.liveness_builds, []).append(req)
+        t.preempted.pop(req, None)
+        if req in t.req_jobs:
+            t.finished[req] = t.build
+            t.finish_due.setdefault(t.build + t.liveness_builds, []).append(req)
         else:
-            self._names.pop(req, None)
+            t.names.pop(req, None)
 
     def _request_preempted(self, ev: RequestPreempted) -> None:
-        self._preempted[ev.req] = self.build
-        self._hold_reported.discard(ev.req)
+        t = self.tables
+        t.preempted[ev.req] = t.build
+        t.hold_reported.discard(ev.req)
 
     def _prefix_cache_reset(self, ev: PrefixCacheReset) -> None:
-        self.prefix_cache_resets += 1
+        self.tables.prefix_cache_resets += 1
 
     def _memory_limit(self, ev: MemoryLimit) -> None:
-        self.limit = ev.pages
+        self.tables.limit = ev.pages
 
     # decisions
 
     def _page_mapped(self, ev: PageMapped) -> None:
+        t = self.tables
         p = ev.page
-        if p >= self.num_pages:
-            self._violate("I3", "page-out-of-range", f"page {p} mapped; there are {self.num_pages}")
+        if p >= t.num_pages:
+            t.violate("I3", "page-out-of-range", f"page {p} mapped; there are {t.num_pages}")
             return
-        if self._mapped[p]:
-            self._violate("I3", "double-map", f"page {p} mapped while mapped", page=p)
+        if t.mapped[p]:
+            t.violate("I3", "double-map", f"page {p} mapped while mapped", page=p)
             return
-        self._mapped[p] = 1
-        self.mapped_pages += 1
-        self.maps += 1
+        t.mapped[p] = 1
+        t.mapped_pages += 1
+        t.maps += 1
         self._refresh(p)
 
     def _page_unmapped(self, ev: PageUnmapped) -> None:
+        t = self.tables
         p = ev.page
-        if p >= self.num_pages:
-            self._violate("I3", "page-out-of-range", f"page {p} unmapped; there are {self.num_pages}")
+        if p >= t.num_pages:
+            t.violate("I3", "page-out-of-range", f"page {p} unmapped; there are {t.num_pages}")
             return
-        if not self._mapped[p]:
-            self._violate("I3", "double-unmap", f"page {p} unmapped while unmapped", page=p)
+        if not t.mapped[p]:
+            t.violate("I3", "double-unmap", f"page {p} unmapped while unmapped", page=p)
             return
-        if self._page_alloc[p]:
-            n = self._page_alloc[p]
-            self._violate("I2", "unmap-with-blocks", f"page {p} unmapped with {n} block(s) allocated", page=p)
-        if self._jobpins[p]:
-            checks.unmap_under_jobs(self, p)
-        self._mapped[p] = 0
-        self._epoch[p] += 1
-        self._unmap_ix[p] = self.index
-        self.mapped_pages -= 1
-        self.unmaps += 1
-        self._releasable.discard(p)
+        if t.page_alloc[p]:
+            n = t.page_alloc[p]
+            t.violate("I2", "unmap-with-blocks", f"page {p} unmapped with {n} block(s) allocated", page=p)
+        if t.jobpins[p]:
+            checks.unmap_under_jobs(t, p)
+        t.mapped[p] = 0
+        t.epoch[p] += 1
+        t.unmap_ix[p] = t.index
+        t.mapped_pages -= 1
+        t.unmaps += 1
+        t.releasable.discard(p)
 
     def _gap(self, ev: Gap) -> None:
-        self.lossy = True
-        self.dropped_events += ev.dropped
+        t = self.tables
+        t.lossy = True
+        t.dropped_events += ev.dropped
 
     # --- snapshot and restore -----------------------------------------------------------------
 
     def snapshot(self) -> LedgerSnapshot:
-        from .state import take_snapshot
-
-        return take_snapshot(self)
+        return take_snapshot(self.tables)
 
     @classmethod
     def restore(cls, snap: LedgerSnapshot) -> Ledger:
-        from .state import restore_snapshot
-
+        """A ledger that goes on exactly where ``snap`` was taken."""
         ledger = cls(snap.header, snap.policy, liveness_builds=snap.liveness_builds)
-        restore_snapshot(ledger, snap)
+        restore_snapshot(ledger.tables, snap)  # the inputs, and the indexes over them
+        for p in range(ledger.tables.num_pages):  # the output, by the rule of the live path
+            ledger._refresh(p)
+        ledger.tables.fresh = []
         return ledger
 
 

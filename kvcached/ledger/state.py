@@ -1,28 +1,29 @@
-"""The ledger's state as a value: outstanding jobs, and the snapshot that restores a ledger.
+"""The ledger's state as a value: the snapshot that restores a ledger, taken from its tables.
 
 A snapshot holds the *inputs* to the derivation (blocks, pins, jobs, requests) and none of its
-outputs: the releasable set is recomputed on restore by the same ``_refresh`` the live path
-uses, so a snapshot cannot disagree with the events that produced it. Snapshots let kvreplay
-start a long trace in the middle and let the journal service write checkpoints.
+outputs: the releasable set is recomputed on restore by the same rule the live path uses
+(``Ledger.restore``), so a snapshot cannot disagree with the events that produced it. Snapshots
+let kvreplay start a long trace in the middle and let the journal service write checkpoints.
+Taking and restoring one reads and writes ``LedgerTables`` (the ledger's state, declared once in
+``tables``) and is generic over it: each field of ``LedgerSnapshot`` is the table of the same
+name, copied (``_frozen`` and ``_thawed`` say how, by the table's type), except ``pools`` and
+``jobs``, which regroup tables into records. The tables a snapshot leaves out are either fixed
+by the header (``FIXED``) or indexes over the kept ones that restore rebuilds (``DERIVED``). So
+a new table that must survive a restart needs one field here, of the same name, with a default
+so that snapshots written before it still decode; tests/test_ledger.py checks that every table
+is kept, fixed or derived. The wire format is the Structs below; keep their fields as they are.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any, Final
 
 import msgspec
 
 from .events import Header, Policy
 from .findings import Violation
-
-if TYPE_CHECKING:
-    from .ledger import Ledger
-
-
-# An outstanding job, as the ledger keeps it: [kind, req, pages, workers, reported, build,
-# index]. A list, not an object, because it is made and dropped on the hot path.
-JobState = list[Any]
+from .tables import LedgerTables
 
 
 class JobRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -82,105 +83,89 @@ class LedgerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_resets: int
 
 
-def take_snapshot(lg: Ledger) -> LedgerSnapshot:
-    return LedgerSnapshot(
-        header=lg.header,
-        policy=lg.policy,
-        liveness_builds=lg.liveness_builds,
-        index=lg.index,
-        build=lg.build,
-        pools=[
-            PoolState(alloc=bytes(a), epoch=list(e), alloc_ix=list(ai), free_ix=list(fi))
-            for a, e, ai, fi in zip(lg._alloc, lg._bepoch, lg._balloc_ix, lg._bfree_ix, strict=True)
-        ],
-        page_alloc=list(lg._page_alloc),
-        mapped=bytes(lg._mapped),
-        epoch=list(lg._epoch),
-        unmap_ix=list(lg._unmap_ix),
-        pfree_ix=list(lg._pfree_ix),
-        grace=dict(sorted(lg._grace.items())),
-        holds={p: dict(sorted(h.items())) for p, h in sorted(lg._holds.items())},
-        jobs=[
-            JobRecord(job, int(st[0]), *st[1:])
-            for job, st in sorted(lg._jobs.items())
-        ],
-        names=dict(sorted(lg._names.items())),
-        finished=dict(sorted(lg._finished.items())),
-        finish_due={k: list(v) for k, v in sorted(lg._finish_due.items())},
-        preempted=dict(sorted(lg._preempted.items())),
-        boundary_ix=list(lg._boundary_ix),
-        boundary_build=list(lg._boundary_build),
-        limit=lg.limit,
-        peak_pinned_pages=lg.peak_pinned_pages,
-        lossy=lg.lossy,
-        dropped_events=lg.dropped_events,
-        violations=list(lg.violations),
-        job_violation={k: list(v) for k, v in sorted(lg._job_violation.items())},
-        stall_since=lg._stall_since,
-        stall_reported=lg._stall_reported,
-        hold_reported=sorted(lg._hold_reported),
-        builds=lg.builds,
-        jobs_built=lg.jobs_built,
-        maps=lg.maps,
-        unmaps=lg.unmaps,
-        prefix_cache_resets=lg.prefix_cache_resets,
-    )
+# The tables behind ``pools``, in PoolState's field order (``jobs`` is the table ``jobs``).
+POOL_TABLES: Final = ("alloc", "bepoch", "balloc_ix", "bfree_ix")
+# The constructor's arguments: restore builds the tables from them before filling them in.
+CONFIG: Final = ("header", "policy", "liveness_builds")
+# Snapshot fields that are the table of the same name.
+KEPT: Final = tuple(f for f in LedgerSnapshot.__struct_fields__ if f not in ("pools", "jobs"))
+# Tables fixed by the header and the policy.
+FIXED: Final = frozenset({"legacy", "num_pages", "npools", "bpp", "first", "bpage"})
+# Tables that restore rebuilds from the kept ones (and the ledger's output, which it re-derives).
+DERIVED: Final = frozenset(
+    {"pins", "jobpins", "page_jobs", "grace_due", "req_holds", "req_jobs", "mapped_pages", "pinned_pages"}
+    | {"releasable", "fresh"}
+)
 
 
-def restore_snapshot(lg: Ledger, s: LedgerSnapshot) -> None:
-    """Load ``s`` into a fresh ledger built from the same header; derive the rest."""
-    lg.index, lg.build = s.index, s.build
-    for i, ps in enumerate(s.pools):
-        lg._alloc[i] = bytearray(ps.alloc)
-        lg._bepoch[i] = list(ps.epoch)
-        lg._balloc_ix[i] = list(ps.alloc_ix)
-        lg._bfree_ix[i] = list(ps.free_ix)
-    lg._page_alloc = list(s.page_alloc)
-    lg._mapped = bytearray(s.mapped)
-    lg._epoch = list(s.epoch)
-    lg._unmap_ix = list(s.unmap_ix)
-    lg._pfree_ix = list(s.pfree_ix)
-    pins = [0] * lg.num_pages
-    lg._grace = dict(s.grace)
-    lg._grace_due = {s.build: sorted(s.grace)} if s.grace else {}
+def _frozen(value: Any) -> Any:
+    """A table as the snapshot keeps it: copied, dicts in key order, sets sorted, bytes as bytes."""
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in sorted(value.items())}
+    if isinstance(value, bytearray):
+        return bytes(value)
+    if isinstance(value, set):
+        return sorted(value)
+    if isinstance(value, list | array):
+        return list(value)
+    return value  # an int, a bool, None, or an immutable Struct or enum
+
+
+def _thawed(value: Any, like: Any) -> Any:
+    """A snapshot field as a table of the type of ``like`` (the fresh table), copied."""
+    if isinstance(like, bytearray):
+        return bytearray(value)
+    if isinstance(like, array):
+        return array(like.typecode, value)
+    if isinstance(like, set):
+        return set(value)
+    if isinstance(value, dict):  # at most two levels deep: {page: {req: build}}, {build: [req]}
+        return {k: dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for k, v in value.items()}
+    if isinstance(value, list):
+        return list(value)
+    return value
+
+
+def take_snapshot(t: LedgerTables) -> LedgerSnapshot:
+    tables = zip(t.alloc, t.bepoch, t.balloc_ix, t.bfree_ix, strict=True)  # POOL_TABLES
+    pools = [PoolState(bytes(a), list(e), list(ai), list(fi)) for a, e, ai, fi in tables]
+    jobs = [JobRecord(job, int(st[0]), *st[1:]) for job, st in sorted(t.jobs.items())]
+    return LedgerSnapshot(pools=pools, jobs=jobs, **{name: _frozen(getattr(t, name)) for name in KEPT})
+
+
+def restore_snapshot(t: LedgerTables, s: LedgerSnapshot) -> None:
+    """Load ``s`` into fresh tables built from its header, policy and liveness_builds.
+
+    Rebuilds the derived tables except the ledger's output (``releasable`` and ``fresh`` are left
+    empty): ``Ledger.restore`` derives it by the rule of the live path.
+    """
+    for name in KEPT:
+        if name not in CONFIG:
+            setattr(t, name, _thawed(getattr(s, name), getattr(t, name)))
+    for i, ps in enumerate(s.pools):  # POOL_TABLES
+        t.alloc[i] = bytearray(ps.alloc)
+        t.bepoch[i] = list(ps.epoch)
+        t.balloc_ix[i] = list(ps.alloc_ix)
+        t.bfree_ix[i] = list(ps.free_ix)
+    pins = [0] * t.num_pages
+    t.grace_due = {s.build: sorted(s.grace)} if s.grace else {}
     for p in s.grace:
         pins[p] += 1
-    lg._holds = {p: dict(h) for p, h in s.holds.items()}
-    lg._req_holds = {}
+    t.req_holds = {}
     for p, h in s.holds.items():
         for req in h:
-            lg._req_holds.setdefault(req, set()).add(p)
+            t.req_holds.setdefault(req, set()).add(p)
             pins[p] += 1
-    lg._jobs, lg._req_jobs, lg._page_jobs = {}, {}, {}
-    lg._jobpins = [0] * lg.num_pages
+    t.jobs, t.req_jobs, t.page_jobs = {}, {}, {}
+    t.jobpins = [0] * t.num_pages
     for r in s.jobs:
-        lg._jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index]
-        lg._req_jobs[r.req] = lg._req_jobs.get(r.req, 0) + 1
+        t.jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index]
+        t.req_jobs[r.req] = t.req_jobs.get(r.req, 0) + 1
         for p in r.pages:
-            lg._page_jobs.setdefault(p, []).append(r.job)
-            lg._jobpins[p] += 1
+            t.page_jobs.setdefault(p, []).append(r.job)
+            t.jobpins[p] += 1
             pins[p] += 1
-    lg._pins = pins
-    lg.pinned_pages = sum(1 for n in pins if n)
-    lg.peak_pinned_pages = s.peak_pinned_pages
-    lg.mapped_pages = sum(lg._mapped)
-    lg._names = dict(s.names)
-    lg._finished = dict(s.finished)
-    lg._finish_due = {k: list(v) for k, v in s.finish_due.items()}
-    lg._preempted = dict(s.preempted)
-    lg._boundary_ix = array("q", s.boundary_ix)
-    lg._boundary_build = array("q", s.boundary_build)
-    lg.limit = s.limit
-    lg.lossy = s.lossy
-    lg.dropped_events = s.dropped_events
-    lg.violations = list(s.violations)
-    lg._job_violation = {k: list(v) for k, v in s.job_violation.items()}
-    lg._stall_since = s.stall_since
-    lg._stall_reported = s.stall_reported
-    lg._hold_reported = set(s.hold_reported)
-    lg.builds, lg.jobs_built, lg.maps, lg.unmaps = s.builds, s.jobs_built, s.maps, s.unmaps
-    lg.prefix_cache_resets = s.prefix_cache_resets
-    lg._releasable = set()
-    for p in range(lg.num_pages):
-        lg._refresh(p)
-    lg._fresh = []
+    t.pins = pins
+    t.pinned_pages = sum(1 for n in pins if n)
+    t.mapped_pages = sum(t.mapped)
+    t.releasable, t.fresh = set(), []

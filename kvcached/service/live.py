@@ -76,19 +76,20 @@ def pin_rows(lg: Ledger) -> list[PinRow]:
     # (page, kind order, job or request id, row): the keys are unique, so rows are never compared.
     keyed: list[tuple[int, int, int, PinRow]] = []
     add = keyed.append
-    jobs, names, build = lg._jobs, lg._names, lg.build
-    for page in lg._page_jobs:
-        for job in lg.jobs_on(page):
+    t = lg.tables  # the ledger's state (kvcached/ledger/tables.py), read-only here
+    jobs, names, build = t.jobs, t.names, t.build
+    for page in t.page_jobs:
+        for job in t.jobs_on(page):
             kind, req, _, workers, reported, since, _ = jobs[job]
             name = names.get(req)
-            request = f"r{req}" if name is None else name  # as Ledger.request_name
+            request = f"r{req}" if name is None else name  # as LedgerTables.request_name
             row = PinRow(page, "job", since, job, "load" if kind else "store", request, workers - reported)
             add((page, 0, job, row))
-    for page in lg._grace:
+    for page in t.grace:
         add((page, 1, 0, PinRow(page, "grace", build, until_build=build)))
-    for page, holds in lg._holds.items():
+    for page, holds in t.holds.items():
         for req, since in holds.items():
-            add((page, 2, req, PinRow(page, "window", since, request=lg.request_name(req))))
+            add((page, 2, req, PinRow(page, "window", since, request=t.request_name(req))))
     keyed.sort()
     return [k[3] for k in keyed]
 
