@@ -65,6 +65,15 @@ def window_groups(kv_cache_config: Any) -> frozenset[int]:
     return frozenset(out)
 
 
+def _preempted_status() -> Any:
+    """vLLM's ``RequestStatus.PREEMPTED`` (None without vLLM, where no request is matched)."""
+    try:
+        from vllm.v1.request import RequestStatus
+    except ImportError:
+        return None
+    return RequestStatus.PREEMPTED
+
+
 def _block_ids(spec: Any) -> tuple[int, ...]:
     ids = spec.block_ids
     return tuple(int(b) for b in (ids.tolist() if hasattr(ids, "tolist") else ids))
@@ -91,6 +100,9 @@ class Bridge:
         self._req_ids: dict[str, int] = {}
         self._next_req = 0
         self._held: set[int] = set()  # requests with window holds
+        # Requests whose preemption is recorded, until they are scheduled again or finish.
+        self._preempted: dict[int, str] = {}
+        self._preempted_status = _preempted_status()
         self._orig: dict[str, Callable[..., Any]] = {}
 
     # --- helpers ------------------------------------------------------------------------------
@@ -117,6 +129,13 @@ class Bridge:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         r = self._req_ids.get(request.request_id)
+        if r is not None and r not in self._preempted and request.status is self._preempted_status:
+            # Preempted between steps (``Scheduler.reset_prefix_cache(reset_running_requests=
+            # True)``), and matched, maybe admitted, before the output that lists it in
+            # ``preempted_req_ids`` is built: record the preemption now, before matching drops
+            # its holds, or the ledger keeps a running request "preempted" (issue 13, item 2).
+            self._preempted[r] = request.request_id
+            self._emit(RequestPreempted(r))
         if r is not None and r in self._held:
             # The connector is about to clear this request's old block lists: nothing it holds
             # a window for can be stored any more (P2). Job pins stay with their jobs.
@@ -135,13 +154,22 @@ class Bridge:
             emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (_block_ids(job.dst_spec),), workers))
         for job_id, job in sorted(meta.store_jobs.items()):
             emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (_block_ids(job.src_spec),), workers))
+        preempted = self._preempted
         for rid in sorted(scheduler_output.preempted_req_ids or ()):
-            emit(RequestPreempted(self.req(rid)))
+            r = self.req(rid)
+            if r not in preempted:  # not seen at matching: preempted within this schedule
+                preempted[r] = rid
+                emit(RequestPreempted(r))
+        if preempted:  # scheduled in this step: running again
+            scheduled = scheduler_output.num_scheduled_tokens
+            for r in [r for r, rid in preempted.items() if rid in scheduled]:
+                del preempted[r]
         for rid in sorted(scheduler_output.finished_req_ids or ()):
-            r = self._req_ids.pop(rid, None)
-            if r is not None:
-                self._held.discard(r)
-                emit(RequestFinished(r))
+            done = self._req_ids.pop(rid, None)
+            if done is not None:
+                self._held.discard(done)
+                preempted.pop(done, None)
+                emit(RequestFinished(done))
         emit(BuildBoundary(self.build))
         self.build += 1
         return meta
