@@ -26,6 +26,7 @@ from kvcached.ledger.events import (
     PoolGeometry,
     RequestAdded,
     RequestFinished,
+    RequestPreempted,
     WindowHold,
     WindowRelease,
 )
@@ -277,6 +278,26 @@ def test_i4_preempted_holds_block_a_shrink_p2() -> None:
     good = replay(Ledger(preempt_shrink().header, "ledger"), preempt_shrink().events)
     assert good.violations == []
     assert good.mapped_pages == 0 and good.pinned_pages == 0
+
+
+def test_i4_clock_of_preempted_holds_runs_from_when_the_shrink_began() -> None:
+    # A request preempted long before any limit: its holds block a shrink only from the build the
+    # pages went over the limit, so no I4 until 16 builds after that (issue 13, item 2).
+    lg = ledger("ledger", PageMapped(0), BlockAlloc(0, (0,)), WindowHold(7, 0, (0,)))
+    lg.apply_all([BlockFree(0, (0,)), RequestPreempted(7)])
+    for b in range(30):
+        lg.apply(BuildBoundary(b))
+    lg.apply(MemoryLimit(0))  # from build 30 on, the held page is over the limit
+    for b in range(30, 46):
+        lg.apply(BuildBoundary(b))
+    assert codes(lg) == []
+    for b in range(46, 48):
+        lg.apply(BuildBoundary(b))
+    assert codes(lg) == ["holds-block-shrink"]
+    assert "for 17 builds" in lg.violations[0].message
+    # Kept across a snapshot: a ledger restored mid-shrink reports at the same build.
+    snap = Ledger.restore(msgspec.msgpack.decode(msgspec.msgpack.encode(lg.snapshot()), type=LedgerSnapshot))
+    assert snap.tables.over_limit_since == 30
 
 
 def test_ledger_keeps_going_after_a_violation() -> None:

@@ -149,13 +149,17 @@ def shrink(t: LedgerTables, n: int) -> None:
             )
     else:
         t.stall_since = None
+    # The clock of a preempted request's holds runs from when they began to block the shrink:
+    # the later of its preemption and the build the pages went over the limit.
+    began = n if t.over_limit_since is None else t.over_limit_since
     for req, since in t.preempted.items():
         held = t.req_holds.get(req)
-        if held and n - since > k and req not in t.hold_reported:
+        start = max(since, began)
+        if held and n - start > k and req not in t.hold_reported:
             t.hold_reported.add(req)
             t.violate(
                 "I4", "holds-block-shrink",
                 f"window holds of request {t.request_name(req)}, preempted in build {since}, keep {len(held)} "
-                f"page(s) mapped over the limit of {t.limit} for {n - since} builds",
+                f"page(s) mapped over the limit of {t.limit} for {n - start} builds",
                 request=t.request_name(req), page=min(held),
             )

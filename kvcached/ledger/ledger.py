@@ -175,9 +175,11 @@ class Ledger(LedgerQueries):
         t.build = n + 1
         t.builds += 1
         if t.limit is not None and t.mapped_pages > t.limit:
+            if t.over_limit_since is None:
+                t.over_limit_since = n
             checks.shrink(t, n)
-        elif t.stall_since is not None or t.stall_reported:
-            t.stall_since = None
+        elif t.over_limit_since is not None or t.stall_since is not None or t.stall_reported:
+            t.over_limit_since = t.stall_since = None
             t.stall_reported = False
 
     def _block_alloc(self, ev: BlockAlloc) -> None:

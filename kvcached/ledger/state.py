@@ -81,6 +81,8 @@ class LedgerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     maps: int
     unmaps: int
     prefix_cache_resets: int
+    # Added after format 1's first snapshots: a default, so that those still decode.
+    over_limit_since: int | None = None
 
 
 # The tables behind ``pools``, in PoolState's field order (``jobs`` is the table ``jobs``).

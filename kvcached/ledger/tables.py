@@ -98,6 +98,7 @@ class LedgerTables:
     # --- memory limit and liveness (I4) ---
     limit: int | None  # pages the engine may keep mapped (MemoryLimit); None: no limit
     stall_since: int | None  # build since which a shrink over the limit has been possible
+    over_limit_since: int | None  # build since which the mapped pages have been over the limit
     stall_reported: bool  # that stall has been reported (once per stall)
     hold_reported: set[int]  # preempted requests whose holds over the limit have been reported
 
@@ -160,7 +161,7 @@ class LedgerTables:
         self.index = self.build = 0
         self.boundary_ix, self.boundary_build = array("q"), array("q")
         self.lossy, self.dropped_events = False, 0
-        self.limit = self.stall_since = None
+        self.limit = self.stall_since = self.over_limit_since = None
         self.stall_reported, self.hold_reported = False, set()
         self.violations, self.job_violation = [], {}
         self.mapped_pages = self.pinned_pages = self.peak_pinned_pages = 0
