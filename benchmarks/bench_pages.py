@@ -88,7 +88,7 @@ def main() -> int:
         "vLLM's own pool": run(False, args.seed, args.steps),
         "page-aware, cache kept": run(True, args.seed, args.steps),
         "page-aware, cache cap 64 blocks": run(True, args.seed, args.steps, max_cached_blocks=64),
-        "page-aware, no cache (seed's repro)": run(True, args.seed, args.steps, max_cached_blocks=0),
+        "page-aware, no cache (PR #598's repro)": run(True, args.seed, args.steps, max_cached_blocks=0),
     }
     total = -(-CFG.num_gpu_blocks // PAGE_BLOCKS)
     print(f"pages with no block in use or cached, over {args.steps} steps (seed {args.seed}; {total} pages in all)")

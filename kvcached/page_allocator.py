@@ -116,7 +116,7 @@ class PageAllocator:
             # No new page is mapped, and pages the ledger lets go are kept for the shrink; but a
             # reserved page that pins keep mapped anyway stays in service. Refusing it could
             # deadlock: the pins may belong to a request that only lets go once it runs again
-            # (the reviewer's P2: window holds of a preempted request).
+            # (review comment P2 on kvcached PR #598: window holds of a preempted request).
             return len(self._reserved) - len(self._goable)
         return len(self._reserved) + min(len(self._free), self.limit - self.mapped)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: `vllm serve` (vLLM's CPU build) with kvcached and CPU offloading on, against
-# native vLLM with the same flags, on the seed's validation load; then the run's journal
+# native vLLM with the same flags, on kvcached PR #598's validation load; then the run's journal
 # replayed with kvreplay beside the golden journal of the same load under `legacy`.
 # Makes .venv and .venv-cpu on first use (about 2 minutes), then runs in about 3 minutes.
 #

@@ -147,7 +147,7 @@ def test_every_step_is_a_ledger_event(make, tmp_path) -> None:
 
 @pytest.mark.parametrize("policy", ["legacy", "ledger"])
 def test_late_copy_of_a_freed_block(make, policy: str) -> None:
-    """Seed case 1 on real memory: the store is submitted after the request freed its blocks."""
+    """Case 1 of kvcached PR #598 on real memory: the store is submitted after the request freed its blocks."""
     m = make(policy)
     ledger = m.recorder.ledger
     blocks = m.alloc(4)  # exactly one page

@@ -1,4 +1,4 @@
-"""Unit tests of the pin ledger: each pin kind, each invariant, each policy, the seed scenarios."""
+"""Unit tests of the pin ledger: each pin kind, each invariant, each policy, the scenarios of kvcached PR #598."""
 
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def test_ledger_keeps_going_after_a_violation() -> None:
     assert [v.index for v in lg.violations] == [1, 2, 3]
 
 
-# --- the seed's scenarios ---------------------------------------------------------------------
+# --- the scenarios of kvcached PR #598 ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -3,7 +3,7 @@
 Replay can check a trace with the map/unmap decisions it recorded, or ask "what would have
 happened under the other policy?". The second needs decisions made afresh: this module plays
 the most eager allocator there is (no reserved pages, as ``KVCACHED_MAX_RESERVED_PAGES=0`` in
-the seed's reproduction), which maps a page right before a block on it is handed out and unmaps
+kvcached PR #598's reproduction), which maps a page right before a block on it is handed out and unmaps
 every page the moment the ledger lets it. It is the worst case for the freed-block copy, so a
 policy that is clean here is clean for any allocator that asks the same ledger.
 """

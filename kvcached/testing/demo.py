@@ -1,8 +1,8 @@
 """The main job: `vllm serve` with kvcached and CPU offloading, against native vLLM, on this machine.
 
 Starts vLLM's CPU build twice on a tiny llama made on the spot, once native and once with
-``ENABLE_KVCACHED=1`` (the ``ledger`` policy, the seed's reproduction settings, a journal), both
-with the same offloading flags, and sends each the seed's validation load: prompts sharing a
+``ENABLE_KVCACHED=1`` (the ``ledger`` policy, kvcached PR #598's reproduction settings, a journal), both
+with the same offloading flags, and sends each kvcached PR #598's validation load: prompts sharing a
 long prefix, half with one output token, twice, with a prefix-cache reset between, so that the
 second pass loads its prefix back from the CPU tier. It prints, per request, whether kvcached's
 greedy tokens and top-5 logprobs equal native's and where the prefix came from, the worker's

@@ -2,7 +2,7 @@
 
 A ``Server`` is one ``python -m vllm.entrypoints.openai.api_server`` process group on
 127.0.0.1, its log in a file, started with kvcached on or off and the same flags either way
-(the seed's validation compares a kvcached server with a native one launched identically). It
+(kvcached PR #598's validation compares a kvcached server with a native one launched identically). It
 is stopped by its own PID: SIGINT to its process group, then SIGKILL after a grace period, and
 what is left of its process tree is reported, so that a test can check that nothing survives.
 The client speaks the OpenAI completions API with the standard library only.
@@ -27,7 +27,7 @@ from typing import Any
 
 from kvcached.serve.checks import OUR_SPEC
 
-# What must not appear in a healthy server's log (the seed's no_error_signatures).
+# What must not appear in a healthy server's log (kvcached PR #598's no_error_signatures).
 ERROR_SIGNATURES = re.compile(
     r"Traceback \(most recent call last\)|\bERROR\b|Exception in|CUDA error|Segmentation fault"
 )
@@ -302,7 +302,7 @@ def rss_bytes(pid: int) -> int:
     return int(psutil.Process(pid).memory_info().rss)
 
 
-# The seed's reproduction settings (no cached blocks kept, no reserved pages), with pages of one
+# Upstream kvcached PR #598's reproduction settings (no cached blocks kept, no reserved pages), with pages of one
 # 256 KiB block (per layer, the tiny model's) so that a freed block's page really goes.
 REPRO_SETTINGS = {
     "KVCACHED_MAX_CACHED_TOKENS": "0",
@@ -313,7 +313,7 @@ REPRO_SETTINGS = {
 
 
 def validation_config(model: str, policy: str | None, journal: str | Path | None = None) -> ServerConfig:
-    """The server of the seed's validation: native (``policy`` None) or kvcached under ``policy``
+    """The server of kvcached PR #598's validation: native (``policy`` None) or kvcached under ``policy``
     with the reproduction settings; same KV cache and CPU tier either way."""
     env: dict[str, str] = {}
     if policy is not None:
@@ -326,7 +326,7 @@ def validation_config(model: str, policy: str | None, journal: str | Path | None
 
 
 def validation_prompts(seed: int = 0) -> list[tuple[str, int]]:
-    """The seed's correctness load, scaled to the tiny model: long prompts sharing a prefix
+    """Upstream kvcached PR #598's correctness load, scaled to the tiny model: long prompts sharing a prefix
     (several blocks of it), half of them with one output token (they finish in the step that
     writes their KV), and unrelated prompts of a few blocks; (prompt, max_tokens) pairs."""
     from kvcached.testing.tiny_model import corpus

@@ -1,4 +1,4 @@
-"""The seed's freed-block-copy cases and the reviewer's P2, written as event sequences.
+"""The freed-block-copy cases of upstream kvcached PR #598 and its review comment P2, as event sequences.
 
 Each scenario is the order in which vLLM's scheduler and ``OffloadingConnector`` produce the
 events (see ``shared/notes/vllm-offloading.md``: schedule -> build -> worker -> update), with no
@@ -139,7 +139,8 @@ def sliding_window() -> Scenario:
 
 
 def preempt_shrink(release_on_match: bool = True) -> Scenario:
-    """P2: preemption with window holds while the limit is lowered and the prefix cache reset.
+    """Review comment P2 on kvcached PR #598: preemption with window holds while the limit is
+    lowered and the prefix cache reset.
 
     ``release_on_match=False`` is the bridge before the review: holds of a preempted request
     are dropped only when it resumes, which it cannot while the shrink waits on those holds.
@@ -173,7 +174,8 @@ def preempt_shrink(release_on_match: bool = True) -> Scenario:
     name = "preempt-shrink" if release_on_match else "preempt-shrink-no-release"
     return Scenario(
         name,
-        "P2: preempted requests with window holds while the limit is lowered and the prefix cache reset",
+        "kvcached PR #598, review comment P2: preempted requests with window holds while the limit "
+        "is lowered and the prefix cache reset",
         "The shrink must not wait forever on the window holds of requests that cannot resume "
         "until the shrink is done.",
         _header(name, pools=2),

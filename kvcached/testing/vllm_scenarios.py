@@ -1,11 +1,11 @@
-"""The seed's freed-block-copy scenarios on real vLLM, with kvcached's pages under the KV cache.
+"""Upstream kvcached PR #598's freed-block-copy scenarios on real vLLM, with kvcached's pages under the KV cache.
 
 Each scenario drives vLLM 0.33's real ``Scheduler`` and ``OffloadingConnector`` through the
 harness (real bytes, written by a model stand-in, stored to and loaded back from a CPU tier by
 a worker of the project's own), with kvcached underneath: the KV tensors are views of host
 backend pages, vLLM's block pool is page-aware, and the bridge turns connector calls into ledger
 events. Under ``legacy`` the allocator unmaps a page as soon as it is empty, as kvcached did
-before the offloading pins; under ``ledger`` it waits for the pins. The seed's reproduction
+before the offloading pins; under ``ledger`` it waits for the pins. Upstream kvcached PR #598's reproduction
 settings are used: no cached blocks kept (``KVCACHED_MAX_CACHED_TOKENS=0``) and no reserved
 pages (``KVCACHED_MAX_RESERVED_PAGES=0``), so a freed page really goes back to the OS.
 
@@ -176,7 +176,8 @@ def _stop_token(h: Harness, kvc: Kvcached) -> None:
 
 
 def _preempt_shrink(h: Harness, kvc: Kvcached) -> dict[str, Any]:
-    """P2: window holds of preempted requests while the limit is lowered and the cache reset."""
+    """Review comment P2 on kvcached PR #598: window holds of preempted requests while the limit
+    is lowered and the cache reset."""
     prompts = [h.make_prompt(96, seed=s) for s in (11, 12, 13, 14)]
     for p in prompts:
         h.add_request(prompt=p, max_tokens=24)
@@ -233,7 +234,7 @@ _BUSY_ASYNC = dataclasses.replace(_BUSY, async_scheduling=True)
 _WINDOW_BUSY = HarnessConfig(sliding_window=16, max_num_batched_tokens=128, num_gpu_blocks=96)
 SCENARIOS: dict[str, tuple[HarnessConfig, Body]] = {
     "finish-in-write-step": (HarnessConfig(), _twice(128, 1)),
-    # Seed case 2. Under async scheduling a block is keyed only once the output of the step
+    # Case 2 of kvcached PR #598. Under async scheduling a block is keyed only once the output of the step
     # before the one that fills it is processed (the token in its last slot comes from there),
     # so the last decode step's block (here block 5: 70 prompt + 10 fed outputs = 80 tokens)
     # would be stored by the next step; a request that reaches max_tokens is left out of that

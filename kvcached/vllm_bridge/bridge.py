@@ -1,6 +1,6 @@
 """Ledger events from vLLM's scheduler-side calls, with vLLM left exactly as it is.
 
-The connector copies blocks after vLLM has freed them (the seed's three cases), and vLLM only
+The connector copies blocks after vLLM has freed them (the three cases of kvcached PR #598), and vLLM only
 waits for such a copy when it reallocates a block. kvcached must therefore learn, from the
 connector's own public calls, which pages a copy may still read or write. ``install_bridge``
 wraps the scheduler-side connector *instance* (its bound methods are shadowed by attributes on
@@ -8,7 +8,7 @@ that one object; no class and no module of vLLM changes) and turns each call int
 
 * ``on_new_request``: the request is named (interned to a small integer);
 * ``get_num_new_matched_tokens``: native matching drops the request's old block lists, so its
-  window holds end (the reviewer's P2); in-flight job pins are untouched;
+  window holds end (review comment P2 on kvcached PR #598); in-flight job pins are untouched;
 * ``build_connector_meta``: window holds for blocks newly given to sliding-window (and non-align
   Mamba) groups, one ``JobBuilt`` per load and store job with its GPU block ids, preempted and
   finished requests, then the build boundary;
@@ -138,7 +138,7 @@ class Bridge:
             self._emit(RequestPreempted(r))
         if r is not None and r in self._held:
             # The connector is about to clear this request's old block lists: nothing it holds
-            # a window for can be stored any more (P2). Job pins stay with their jobs.
+            # a window for can be stored any more (kvcached PR #598, review comment P2). Job pins stay with their jobs.
             self._held.discard(r)
             self._emit(WindowRelease(r))
         return self._orig["get_num_new_matched_tokens"](request, num_computed_tokens)

@@ -1,4 +1,4 @@
-"""The worker's KV tensors on CUDA pages, for the seed's model kinds, on the GPU machine.
+"""The worker's KV tensors on CUDA pages, for kvcached PR #598's model kinds, on the GPU machine.
 
 vLLM cannot be installed there, so ``kv_views.json`` (beside this file) carries what vLLM's own
 allocation code gives on vLLM's CPU build for full attention, MLA and sliding window in the

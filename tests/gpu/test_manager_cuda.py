@@ -1,7 +1,7 @@
 """The KV cache manager on CUDA pages, driven by the ledger: the freed-block copy with a real
 device-to-host copy under ``legacy``, and none under ``ledger``; no GPU memory left afterwards.
 
-This is seed case 1 on a GPU: a one-token request's blocks are written, the store job is built,
+This is case 1 of kvcached PR #598 on a GPU: a one-token request's blocks are written, the store job is built,
 the request frees its blocks, and only then does the worker copy them to host memory. Under
 ``legacy`` the page is unmapped at the free (the zero page shows through, as it would after the
 memory went to another model); under ``ledger`` the job pin keeps it until the job is reported.

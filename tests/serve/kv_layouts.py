@@ -1,4 +1,4 @@
-"""KV cache configs of the seed's model kinds, made by vLLM's own sizing code."""
+"""KV cache configs of kvcached PR #598's model kinds, made by vLLM's own sizing code."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The worker's KV tensors on kvcached pages match vLLM's own allocation, block for page.
 
-For the seed's model kinds (full attention, MLA, sliding window with a full-attention group
+For kvcached PR #598's model kinds (full attention, MLA, sliding window with a full-attention group
 beside it) and vLLM's layouts, KV cache configs are sized by vLLM's own code; vLLM's
 ``allocate_kv_cache`` and kvcached's ``allocate`` must give every layer the same shape, strides
 and dtype; every block's bytes must lie in the backend page the manager's geometry names (so an

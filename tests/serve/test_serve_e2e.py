@@ -1,6 +1,6 @@
 """End to end on vLLM's CPU build: `vllm serve` with kvcached on, offloading on, against native.
 
-The seed's validation, scaled to a tiny llama made here (random weights, local tokenizer):
+Upstream kvcached PR #598's validation, scaled to a tiny llama made here (random weights, local tokenizer):
 the same prompts (long ones sharing a prefix, some with one output token) are sent twice with
 a prefix-cache reset in between, so the second pass loads its prefix from the CPU tier, to a
 native server and to kvcached servers under each policy, launched with the same flags. The
@@ -8,7 +8,7 @@ seed's reproduction settings are used (no cached blocks kept, no reserved pages)
 one block, so that a freed block's page really goes. Under ``legacy`` the freed-block copy
 shows: the journal replays with I1 violations (and outputs may differ); under ``ledger`` every
 greedy token and top-5 logprob equals native's, and so does every cached-token count. Each
-server must pass the seed's server checks. A second pair of servers checks elasticity: after a
+server must pass kvcached PR #598's server checks. A second pair of servers checks elasticity: after a
 load and a prefix-cache reset the worker's resident memory falls by most of what the load
 added with kvcached, and not with native vLLM.
 """

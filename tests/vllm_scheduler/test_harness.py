@@ -94,7 +94,7 @@ def test_async_scheduling_stores_the_last_decode_block_after_the_finish() -> Non
     before, whose output the scheduler processes only after it scheduled the last step, so no
     build keys the block while the request runs; the step after leaves the request out (its
     max_tokens is reached), and the store is built from finished_req_ids over blocks vLLM's pool
-    already holds as free (seed case 2), with the worker side run late or at schedule."""
+    already holds as free (case 2 of kvcached PR #598), with the worker side run late or at schedule."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     outputs = {}

@@ -1,4 +1,4 @@
-"""The seed's freed-block copy on real vLLM 0.33 with kvcached underneath, under both policies.
+"""Upstream kvcached PR #598's freed-block copy on real vLLM 0.33 with kvcached underneath, under both policies.
 
 Each scenario runs vLLM's real Scheduler and OffloadingConnector; a model stand-in writes bytes
 that identify every token, a worker of the project's own copies them to a CPU tier and back,
@@ -51,7 +51,7 @@ def test_scenario(name: str, policy: str, tmp_path: Path) -> None:
     replayed = Ledger(trace.header)
     replayed.apply_all(trace.events)
     assert [f"{v.invariant} {v.code}" for v in replayed.violations] == out.violations
-    if name == "finished-store-next-build":  # seed case 2 indeed: the store came after the finish
+    if name == "finished-store-next-build":  # case 2 of kvcached PR #598 indeed: the store came after the finish
         assert stores_built_after_finish(trace.events) != []
     if name == "finish-on-stop-token":  # ... and not when a stop token ends the request
         assert stores_built_after_finish(trace.events) == []
@@ -90,7 +90,7 @@ def test_scenario_under_async_scheduling(name: str, policy: str, worker_at_sched
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n.startswith("random-workload-") and "async" not in n])
 def test_no_store_is_built_after_finish_under_sync_scheduling(name: str, tmp_path: Path) -> None:
-    """Seed case 2 (a finished request's store built in the next build) needs async scheduling on
+    """Case 2 of kvcached PR #598 (a finished request's store built in the next build) needs async scheduling on
     vLLM 0.32 and 0.33 with attention groups (and a request that reaches max_tokens in a step that
     fills a block): synchronously, a decode block's key exists in the build of the step that fills
     it, so it is stored while the request runs. This watches for that to change; under async
