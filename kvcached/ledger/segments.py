@@ -304,8 +304,8 @@ def snapshot_problem(snap: LedgerSnapshot) -> str | None:
     pages = sum(-(-p.num_blocks // (h.page_bytes // p.block_bytes)) for p in h.pools)
     if not _int64s((snap.index, snap.build, snap.liveness_builds)):
         return "its event index, build or liveness_builds is not an int in 0..2^63-1"
-    if any(v is not None and v < 0 for v in (snap.limit, snap.stall_since)):
-        return "a negative limit or stall build"
+    if any(v is not None and v < 0 for v in (snap.limit, snap.stall_since, snap.over_limit_since)):
+        return "a negative limit, or a negative build for a shrink's start"
     if len(snap.boundary_ix) != len(snap.boundary_build) or not (
         _int64s(snap.boundary_ix) and _int64s(snap.boundary_build)
     ):
