@@ -1,6 +1,6 @@
 """kvreplay end to end, in process: check, compare, minimize, show, stats, plot, snapshots, goldens.
 
-Traces are made here from the seed's scenarios and the synthetic workload, with decisions
+Traces are made here from the scenarios of kvcached PR #598 and the synthetic workload, with decisions
 derived under a policy (``simulate.derive``), written with ``JournalWriter`` in small batches so
 that multi-frame reading is exercised. Golden traces are picked up from ``traces/``: any
 ``NAME.kvj`` with a ``NAME.check.json`` beside it is replayed and compared, so adding one needs

@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_parser(sub)
     demo = sub.add_parser(
         "demo",
-        help="replay the seed's built-in freed-block-copy scenarios under legacy and ledger",
-        description="Replay the built-in scenarios (the seed's three freed-block-copy cases and P2) "
-        "with an eager allocator under both policies and print what each finds.",
+        help="replay kvcached PR #598's freed-block-copy cases, built in, under legacy and ledger",
+        description="Replay the built-in scenarios (the three freed-block-copy cases of upstream kvcached "
+        "PR #598 and its review comment P2) with an eager allocator under both policies and print what each finds.",
     )
     demo.add_argument("scenario", nargs="*", choices=[*SCENARIOS, []], help="scenarios to run (default: all)")
     demo.add_argument(

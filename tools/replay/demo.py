@@ -1,4 +1,4 @@
-"""``kvreplay demo``: the seed's freed-block-copy cases, replayed under both policies.
+"""``kvreplay demo``: the freed-block-copy cases of kvcached PR #598, replayed under both policies.
 
 This is what a newcomer runs first: four short event sequences taken from the order in which
 vLLM's scheduler and OffloadingConnector act, each replayed with an eager allocator under
