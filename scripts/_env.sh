@@ -6,12 +6,18 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 
+# pip's noise that says nothing about this install: local index folders it cannot see, and
+# setuptools' notice (with its banner) that an editable install is one.
+pip_noise() {
+    grep -v -E '^WARNING: Location|BuildBackendWarning: Editable installation|^\s*!!\s*$|^\s*\*{20,}\s*$|Please be careful with folders|name as your package as they may|with strategy, WheelFile|^\s*$' "$1" || true
+}
+
 pip_quiet() {
     # pip on these machines warns about local index folders it cannot see; keep its real errors.
     local log rc=0
     log=$(mktemp)
     .venv/bin/python -m pip install -q "$@" >"$log" 2>&1 || rc=$?
-    grep -v '^WARNING: Location' "$log" || true
+    pip_noise "$log"
     rm -f "$log"
     return $rc
 }
@@ -45,7 +51,7 @@ ensure_venv() {
             "$steps" "$py" &&
             KVCACHED_MYPYC=0 "$py" -m pip install -q -e '.[test]'
         } >"$log" 2>&1 || rc=$?
-        grep -v '^WARNING: Location' "$log" || true
+        pip_noise "$log"
         rm -f "$log"
         [ "$rc" -eq 0 ] || return "$rc"
         "$py" -c "$check"
