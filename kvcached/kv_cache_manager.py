@@ -209,6 +209,10 @@ class KVCacheManager:
             blocks -= self._short  # the last page holds fewer blocks than the others
         return min(blocks, self.geometry.num_blocks - self.num_allocated)
 
+    def holds(self, block: int) -> bool:
+        """Whether ``block`` is allocated (handed out, or taken with ``take``) and not freed."""
+        return bool(self._allocated[block])
+
     def alloc(self, n: int) -> list[int]:
         """``n`` blocks, from partly used pages first; all or nothing."""
         if n <= 0:
@@ -240,6 +244,51 @@ class KVCacheManager:
             raise
         self.recorder.emit(BlockAlloc(self.pool, tuple(out)))
         return out
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """Hold these blocks themselves, all or nothing, recorded as one ``BlockAlloc``.
+
+        vLLM may take a free block it did not ask for (``BlockPool.touch`` of an uncached block,
+        as vLLM's tests of its issue #33775 do); kvcached must then hold it as vLLM does. A page
+        that holds no block yet is put in use (mapped if need be) within the memory limit, else
+        ``OutOfBlocksError`` and nothing changes."""
+        if not blocks:
+            return
+        allocated, nb = self._allocated, self.geometry.num_blocks
+        for b in blocks:
+            if not 0 <= b < nb:
+                raise BlockStateError(f"block {b} is outside pool {self.pool} ({nb} blocks)")
+            if allocated[b]:
+                raise BlockStateError(f"block {b} of pool {self.pool} taken but already allocated")
+        if len(set(blocks)) != len(blocks):
+            raise BlockStateError(f"a block of pool {self.pool} appears twice in one take: {sorted(blocks)}")
+        out: list[int] = []
+        fresh: list[int] = []
+        try:
+            for b in blocks:
+                page = b // self._bpp
+                free = self._free_in.get(page)
+                if free is None:  # no block of this page is allocated: put the page itself in use
+                    try:
+                        self.allocator.take_page(page)
+                    except OutOfPagesError as exc:
+                        raise OutOfBlocksError(f"block {b} of pool {self.pool} (page {page}): {exc}") from exc
+                    fresh.append(page)
+                    free = self._free_in[page] = list(reversed(self._blocks_of(page)))
+                    self._partial_free += len(free)
+                    heapq.heappush(self._partial, page)
+                free.remove(b)
+                allocated[b] = 1
+                out.append(b)
+                self._used[page] += 1
+                self.num_allocated += 1
+                self._partial_free -= 1
+                if not free:
+                    del self._free_in[page]
+        except (BackendError, OutOfBlocksError):
+            self._give_back(out, fresh)
+            raise
+        self.recorder.emit(BlockAlloc(self.pool, tuple(out)))
 
     def _take(self, page: int, want: int, out: list[int]) -> None:
         free = self._free_in[page]

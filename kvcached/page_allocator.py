@@ -155,6 +155,27 @@ class PageAllocator:
         self._top_up()
         return page
 
+    def take_page(self, page: int) -> None:
+        """Put ``page`` itself in use, as ``alloc_page`` would put the page it picks: vLLM took a
+        free block of it out of its queue (``BlockPool.touch``, ``KVCacheManager.take``)."""
+        if page in self._in_use:
+            raise KvcachedError(f"page {page} is already in use")
+        if page in self._reserved:
+            if self.shrinking and page in self._goable:
+                raise OutOfPagesError(
+                    f"a shrink to {self.limit} pages is pending ({self.mapped} mapped): page {page} is going"
+                )
+            self._reserved.discard(page)
+            self._goable.discard(page)
+        elif self.shrinking:
+            raise OutOfPagesError(
+                f"a shrink to {self.limit} pages is pending ({self.mapped} mapped): page {page} cannot be mapped"
+            )
+        else:
+            self._map_new(page)
+        self._in_use.add(page)
+        self._top_up()
+
     def release_pages(self, pages: Sequence[int]) -> None:
         """The manager's last blocks on ``pages`` were freed (its ``BlockFree`` is recorded): keep
         each in reserve until it may go, and give back what the limits ask, page by page."""
@@ -168,13 +189,18 @@ class PageAllocator:
                 self._goable.add(page)
             self._trim()
 
-    def _map_new(self) -> int:
+    def _map_new(self, page: int | None = None) -> int:
+        """Map the lowest free page, or ``page`` (a free one)."""
         if not self._free or self.mapped >= self.limit:
             raise OutOfPagesError(
                 f"no page to map: {self.mapped} of {self.num_pages} mapped, limit {self.limit} "
                 "(raise the limit or KVCACHED_MAX_CACHED_TOKENS, or free blocks)"
             )
-        page = heapq.heappop(self._free)
+        if page is None:
+            page = heapq.heappop(self._free)
+        else:  # rare (take_page): O(pages) is fine
+            self._free.remove(page)
+            heapq.heapify(self._free)
         try:
             self.backend.map_page(page)
         except BackendError:

@@ -13,8 +13,15 @@ wraps the scheduler's live ``BlockPool`` instance (vLLM's classes stay untouched
   to the head of vLLM's free queue and lets vLLM's own ``get_new_blocks`` hand it out, so
   eviction from the prefix cache, reuse watchers, reference counts and metrics stay vLLM's
   code (the seam and the private names it cannot avoid are in ``vllm_internals``);
+* ``touch`` takes a free block kvcached does not hold as cached from the manager first (its
+  page put in use, mapped if need be), as vLLM takes it out of its queue: vLLM's tests of its
+  issue #33775 touch such blocks, which the manager would otherwise hand out again;
 * a block freed without a hash, evicted, or dropped by a prefix-cache reset goes back to the
   manager: one ``BlockFree``, and its page goes when the ledger allows;
+* the two views agree: kvcached's manager holds a block exactly while vLLM uses it or keeps it
+  evictable (``disagreements`` lists any block where they do not). Each call checks the blocks
+  it moves and raises ``PoolAgreementError`` before either side changes, rather than letting a
+  block be handed out twice later;
 * ``get_num_free_blocks`` counts what can really be handed out: the manager's available
   blocks plus the evictable cached ones (so a lowered memory limit is seen by the scheduler).
 
@@ -30,11 +37,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..errors import ConfigError
-from ..kv_cache_manager import KVCacheManager
+from ..errors import ConfigError, KvcachedError
+from ..kv_cache_manager import KVCacheManager, OutOfBlocksError
 from . import vllm_internals
 
 log = logging.getLogger("kvcached.vllm_bridge")
+
+
+class PoolAgreementError(KvcachedError):
+    """kvcached's manager and vLLM's block pool disagree on a block: raised by the call that
+    would make them disagree (or hand a block out twice), before either side changes."""
 
 
 class PageAwarePool:
@@ -54,47 +66,100 @@ class PageAwarePool:
     # --- the wrapped calls --------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
+        queued = int(self.pool.free_block_queue.num_free_blocks)
         if self._native:
-            return int(self.pool.free_block_queue.num_free_blocks)
-        return self.manager.available_size() + len(self.evictable)
+            return queued
+        # Never more than vLLM's own queue holds: while the two views agree that is every block
+        # kvcached counts, and anything beyond it could not be handed out (vLLM's tests force a
+        # preemption by setting that count, e.g. offloading_connector's test_request_preemption).
+        return min(self.manager.available_size() + len(self.evictable), queued)
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = self.pool.blocks
         take = min(num_blocks, self.manager.available_size())
-        chosen = [blocks[b] for b in self.manager.alloc(take)] if take else []
+        fresh = self.manager.alloc(take) if take else []
+        chosen = [blocks[b] for b in fresh]
+        evicted: list[int] = []
         while len(chosen) < num_blocks:  # evict cached blocks, least recently used first
             b, _ = self.evictable.popitem(last=False)
+            evicted.append(b)
             chosen.append(blocks[b])
-        self._native = True
         try:
-            return vllm_internals.hand_out(self.pool, chosen, self._orig["get_new_blocks"])
-        finally:
-            self._native = False
+            # vLLM's queue holds exactly the blocks with ref_cnt 0; one that vLLM uses would be
+            # handed out twice (vLLM's own remove() fails on it half-way through the queue).
+            for block in chosen:
+                if block.ref_cnt:
+                    source = "free in kvcached's manager" if block.block_id in fresh else "evictable in kvcached"
+                    raise PoolAgreementError(
+                        f"block {block.block_id} is {source} but in use by vLLM (ref_cnt {block.ref_cnt}): "
+                        "vLLM took it without the page-aware pool's touch or get_new_blocks"
+                    )
+            self._native = True
+            try:
+                return vllm_internals.hand_out(self.pool, chosen, self._orig["get_new_blocks"])
+            finally:
+                self._native = False
+        except vllm_internals.SeamError:
+            raise  # vLLM handed out blocks of its own choosing: nothing here can set that right
+        except BaseException:
+            # vLLM handed nothing out: kvcached keeps no block vLLM did not receive.
+            self.manager.free(fresh)
+            for b in reversed(evicted):
+                self.evictable[b] = None
+                self.evictable.move_to_end(b, last=False)
+            raise
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
+        self._check_held(blocks, "free_blocks")
         self._orig["free_blocks"](blocks)
-        to_manager: list[int] = []
+        to_manager: dict[int, None] = {}  # once each: a block may be listed once per reference
         for block in blocks:
             if block.ref_cnt or block.is_null or (block.pool is not None and block.pool is not self.pool):
                 continue
             if block.block_hash is not None and self.pool.enable_caching:
                 self.evictable[block.block_id] = None
             else:
-                to_manager.append(block.block_id)
-        self.manager.free(to_manager)
+                to_manager[block.block_id] = None
+        self.manager.free(list(to_manager))
         self._cap_cache()
 
     def touch(self, blocks: Sequence[Any]) -> None:
+        # vLLM's touch takes every unused block out of its free queue: a cached one (a prefix
+        # hit) kvcached already holds; any other one it must take from its manager first, or
+        # the manager hands it out again (vLLM's tests of its issue #33775 touch such blocks).
+        hits: list[int] = []
+        take: dict[int, None] = {}  # in order, once each (a block may be touched twice)
         for block in blocks:
-            if not block.is_null and block.ref_cnt == 0:
-                self.evictable.pop(block.block_id, None)  # a prefix hit takes it back into use
-        self._orig["touch"](blocks)
+            if block.is_null or block.ref_cnt:
+                continue
+            b = block.block_id
+            if b in self.evictable:
+                hits.append(b)
+            elif self.manager.holds(b):
+                raise PoolAgreementError(
+                    f"vLLM touched free block {b}, which kvcached holds but does not count as cached"
+                )
+            else:
+                take[b] = None
+        if take:
+            try:
+                self.manager.take(list(take))
+            except OutOfBlocksError as exc:
+                raise OutOfBlocksError(f"vLLM's BlockPool.touch took a free block kvcached cannot back: {exc}") from exc
+        try:
+            self._orig["touch"](blocks)
+        except BaseException:
+            self.manager.free(list(take))
+            raise
+        for b in hits:
+            self.evictable.pop(b, None)  # a prefix hit takes it back into use
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
         blocks = list(blocks)
+        self._check_held(blocks, "unpin_blocks")
         self._orig["unpin_blocks"](blocks, on_reuse)
         for block in blocks:
             if block.ref_cnt == 0:
@@ -119,6 +184,39 @@ class PageAwarePool:
             self.evictable.clear()
             self.manager.free(gone)
         return ok
+
+    def _check_held(self, blocks: list[Any], call: str) -> None:
+        """Before vLLM releases references: every block it holds, kvcached must hold too."""
+        holds, mine = self.manager.holds, self.pool.blocks
+        n = len(mine)
+        for block in blocks:
+            # Only this pool's own block objects: vLLM frees another pool's blocks through it
+            # (BlockPool.free_blocks hands them on), and its tests free stand-in KVCacheBlocks.
+            b = block.block_id
+            if block.is_null or b >= n or mine[b] is not block:
+                continue
+            if not holds(b):
+                raise PoolAgreementError(
+                    f"vLLM's {call} releases block {b} (ref_cnt {block.ref_cnt}), "
+                    "which kvcached's manager does not hold"
+                )
+
+    def disagreements(self) -> list[str]:
+        """Every block on which kvcached and vLLM disagree, one line each; empty when they agree.
+
+        A block is held by kvcached's manager exactly while vLLM uses it (ref_cnt > 0) or keeps
+        it evictable; O(blocks), for tests and diagnosis."""
+        out = []
+        for block in self.pool.blocks:
+            if block.is_null:
+                continue
+            b, used, cached = block.block_id, block.ref_cnt > 0, block.block_id in self.evictable
+            if used and cached:
+                out.append(f"block {b}: in use by vLLM (ref_cnt {block.ref_cnt}) and evictable in kvcached")
+            elif self.manager.holds(b) != (used or cached):
+                held = "holds" if self.manager.holds(b) else "does not hold"
+                out.append(f"block {b}: ref_cnt {block.ref_cnt}, evictable {cached}, kvcached's manager {held} it")
+        return out
 
     def _cap_cache(self) -> None:
         """Upstream's KVCACHED_MAX_CACHED_TOKENS: beyond it, cached blocks give their pages back."""

@@ -32,6 +32,11 @@ SEAM_NAMES = ("free_block_queue", "get_new_blocks", "evict_blocks", "blocks", "n
 QUEUE_NAMES = ("remove", "prepend_n", "popleft_n", "num_free_blocks")
 
 
+class SeamError(KvcachedError):
+    """vLLM's ``get_new_blocks`` no longer hands out the head of its free queue: it handed out
+    blocks kvcached did not choose, and this module must follow that vLLM."""
+
+
 def _vllm_version() -> str:
     try:
         import vllm
@@ -68,7 +73,7 @@ def hand_out(pool: Any, blocks: Sequence[Any], get_new_blocks: Callable[[int], l
     got = get_new_blocks(len(blocks))
     # First and last by identity: O(1), and enough to see a vLLM that pops from elsewhere.
     if len(got) != len(blocks) or got[0] is not blocks[0] or got[-1] is not blocks[-1]:
-        raise KvcachedError(
+        raise SeamError(
             f"vLLM's BlockPool.get_new_blocks ({_vllm_version()}) did not hand out the head of its free "
             "queue; kvcached/vllm_bridge/vllm_internals.py must follow it"
         )

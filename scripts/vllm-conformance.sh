@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# vLLM 0.33.0's own tests as kvcached's conformance suite (issue 19): vLLM's tests of its block
+# pool, KV cache managers, prefix caching, scheduler and OffloadingConnector, run in .venv-vllm
+# twice: on vLLM alone, then with kvcached's page-aware pool and bridge under every BlockPool and
+# Scheduler they build (tests/vllm_upstream/kvcached_conformance.py; known_failures.txt beside
+# it lists what cannot pass, with why).
+#
+# vLLM's wheel holds no tests, so they come from vLLM's source distribution on the package index
+# (PEP 691 JSON API: the file pip would download), checked against the sha256 below, fetched once
+# into .cache/vllm-0.33.0-tests/; only the test files listed here are extracted, and nothing of
+# vLLM is kept in this repository. The runs are offline: HF_HUB_OFFLINE=1 with a stand-in hub
+# config for facebook/opt-125m (the model vLLM's scheduler tests build their config from), and
+# VLLM_TARGET_DEVICE=cpu (vLLM's CUDA wheel finds no device here otherwise).
+#
+# Usage: scripts/vllm-conformance.sh [alone|kvcached|both] [pytest args...]   (default: both)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+VERSION=0.33.0
+SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+CACHE=.cache/vllm-$VERSION-tests
+INDEX=${KVCACHED_VLLM_INDEX:-https://pypi.org/simple}
+PY=$ROOT/.venv-vllm/bin/python
+
+MODE=${1:-both}
+case $MODE in
+    alone | kvcached | both) shift || true ;;
+    -*) MODE=both ;;
+    *)
+        echo "vllm-conformance.sh: unknown mode '$MODE' (alone, kvcached or both)" >&2
+        exit 2
+        ;;
+esac
+if [ ! -x "$PY" ]; then
+    echo "vllm-conformance.sh: $PY is missing; run scripts/test.sh once to build .venv-vllm" >&2
+    exit 2
+fi
+
+# What is extracted from the sdist: support files, then the tests run (all of each file).
+SUPPORT=(
+    pyproject.toml
+    tests/__init__.py
+    tests/utils.py
+    tests/v1/__init__.py
+    tests/v1/core/__init__.py
+    tests/v1/core/utils.py
+    tests/v1/kv_connector/__init__.py
+    tests/v1/kv_connector/unit/__init__.py
+    tests/v1/kv_connector/unit/conftest.py
+    tests/v1/kv_connector/unit/utils.py
+)
+TESTS=(
+    # the block pool and prefix caching
+    tests/v1/core/prefix_cache/
+    tests/v1/core/test_prefix_caching.py
+    tests/v1/core/test_prefix_replay.py
+    # the KV cache managers
+    tests/v1/core/test_single_type_kv_cache_manager.py
+    tests/v1/core/test_kv_sharing.py
+    tests/v1/core/test_swa_inflight_window_free.py
+    tests/v1/core/test_deferred_block_free.py
+    tests/v1/core/test_mamba_align_chunk_split.py
+    tests/v1/core/test_contiguous_kv_packing.py
+    # the scheduler
+    tests/v1/core/test_scheduler.py
+    tests/v1/core/test_async_scheduler.py
+    tests/v1/core/test_priority_preemption_bug.py
+    tests/v1/core/test_priority_scheduler_random.py
+    tests/v1/core/test_worker_slot_overflow.py
+    tests/v1/core/test_scheduler_e2e.py
+    tests/v1/core/test_reset_prefix_cache_e2e.py
+    # the OffloadingConnector (its scheduler side and the spec it drives)
+    tests/v1/kv_connector/unit/offloading_connector/
+)
+
+fetch() {
+    local stamp=$CACHE/.complete
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$SHA256 ${SUPPORT[*]} ${TESTS[*]}" ]; then
+        return 0
+    fi
+    echo "--- fetching vLLM $VERSION's tests from its source distribution ($INDEX)"
+    rm -rf "$CACHE.part"
+    mkdir -p "$CACHE.part"
+    "$PY" - "$INDEX" "$VERSION" "$SHA256" "$CACHE.part" "${SUPPORT[@]}" "${TESTS[@]}" <<'EOF'
+import hashlib, json, sys, tarfile, tempfile, urllib.parse, urllib.request
+from pathlib import Path
+
+index, version, sha256, dest, *wanted = sys.argv[1:]
+name = f"vllm-{version}.tar.gz"
+page = index.rstrip("/") + "/vllm/"
+req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+try:
+    with urllib.request.urlopen(req, timeout=120) as r:
+        files = json.load(r)["files"]
+    url = next(urllib.parse.urljoin(page, f["url"]) for f in files if f["filename"] == name)
+except (OSError, ValueError, KeyError, StopIteration) as e:
+    sys.exit(f"vllm-conformance.sh: {page} does not serve {name}: {type(e).__name__}: {e}")
+digest = hashlib.sha256()
+with tempfile.TemporaryFile() as tmp:
+    try:
+        with urllib.request.urlopen(url, timeout=600) as r:
+            while chunk := r.read(1 << 20):
+                digest.update(chunk)
+                tmp.write(chunk)
+    except OSError as e:
+        sys.exit(f"vllm-conformance.sh: downloading {url} failed: {e}")
+    if digest.hexdigest() != sha256:
+        sys.exit(f"vllm-conformance.sh: {name} from {url} has sha256 {digest.hexdigest()}, expected {sha256}")
+    tmp.seek(0)
+    prefix = f"vllm-{version}/"
+    found = set()
+    with tarfile.open(fileobj=tmp, mode="r:gz") as tar:
+        for m in tar:
+            rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
+            if rel is None or not m.isfile() or ".." in Path(rel).parts:
+                continue
+            hit = next((w for w in wanted if rel == w or (w.endswith("/") and rel.startswith(w))), None)
+            if hit is None:
+                continue
+            found.add(hit)
+            out = Path(dest, rel)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(m)
+            assert src is not None
+            out.write_bytes(src.read())
+    missing = [w for w in wanted if w not in found]
+    if missing:
+        sys.exit(f"vllm-conformance.sh: {name} lacks {', '.join(missing)}")
+EOF
+    PYTHONPATH=$ROOT/tests/vllm_upstream "$PY" -c \
+        'import sys, kvcached_conformance as k; k.write_hub_stand_in(sys.argv[1])' "$CACHE.part/hf"
+    echo "$SHA256 ${SUPPORT[*]} ${TESTS[*]}" >"$CACHE.part/.complete"
+    rm -rf "$CACHE"
+    mv "$CACHE.part" "$CACHE"
+}
+
+run_pass() {
+    local label=$1
+    shift
+    local start rc=0
+    start=$(date +%s)
+    echo "--- vLLM $VERSION's own tests: $label"
+    (
+        cd "$CACHE" &&
+            VLLM_TARGET_DEVICE=cpu HF_HOME=$PWD/hf HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+                PYTHONPATH=$ROOT/tests/vllm_upstream \
+                "$PY" -m pytest -q -p no:cacheprovider -p kvcached_conformance -rfE "$@" "${TESTS[@]}"
+    ) || rc=$?
+    echo "--- $label: exit $rc, $(($(date +%s) - start)) s"
+    return $rc
+}
+
+fetch
+rc=0
+if [ "$MODE" != kvcached ]; then
+    run_pass "vLLM alone" "$@" || rc=$?
+fi
+if [ "$MODE" != alone ]; then
+    run_pass "with kvcached's page-aware pool and bridge" --kvcached "$@" || rc=$?
+fi
+exit $rc
