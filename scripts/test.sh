@@ -3,7 +3,9 @@
 #   1. .venv (CPU torch): every test; GPU tests skip without a GPU, vLLM tests skip (no vLLM there);
 #   2. the ledger's tests again against the mypyc-compiled ledger, which `pip install kvcached` ships;
 #   3. .venv-vllm (vLLM 0.33.0): the page-aware pool, the harness and the freed-block-copy scenarios
-#      on vLLM's real Scheduler and OffloadingConnector;
+#      on vLLM's real Scheduler and OffloadingConnector; then vLLM 0.33.0's own tests of its block
+#      pool, KV cache managers, prefix caching, scheduler and connector, alone and under kvcached
+#      (scripts/vllm-conformance.sh fetches them from vLLM's source distribution on the index);
 #   4. .venv-cpu (vLLM's CPU build 0.32.0): the plugin's startup checks and KV layouts, the same
 #      scenarios on 0.32.0, and `vllm serve` end to end (native vs kvcached, both policies).
 # Extra arguments go to the first pytest run.
@@ -16,6 +18,8 @@ KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pyte
 echo "--- real vLLM 0.33.0 (scheduler, OffloadingConnector) with kvcached underneath"
 ensure_vllm_env
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler
+echo "--- vLLM 0.33.0's own tests (block pool, KV cache managers, prefix caching, scheduler, OffloadingConnector): alone, then under kvcached"
+bash scripts/vllm-conformance.sh
 echo "--- vLLM's CPU build 0.32.0: the scenarios again, the plugin, and vllm serve end to end"
 ensure_cpu_env
 .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler tests/serve
