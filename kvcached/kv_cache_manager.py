@@ -245,6 +245,20 @@ class KVCacheManager:
         self.recorder.emit(BlockAlloc(self.pool, tuple(out)))
         return out
 
+    def _check_blocks(self, blocks: Sequence[int], *, taking: bool) -> None:
+        """Refuse, before anything changes, an id outside the pool, a block in the wrong state
+        (taken while allocated, freed while not) or one listed twice."""
+        allocated, nb = self._allocated, self.geometry.num_blocks
+        for b in blocks:
+            if not 0 <= b < nb:
+                raise BlockStateError(f"block {b} is outside pool {self.pool} ({nb} blocks)")
+            if bool(allocated[b]) == taking:
+                state = "taken but already allocated" if taking else "freed but not allocated"
+                raise BlockStateError(f"block {b} of pool {self.pool} {state}")
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
+            what = "take" if taking else "free"
+            raise BlockStateError(f"a block of pool {self.pool} appears twice in one {what}: {sorted(blocks)}")
+
     def take(self, blocks: Sequence[int]) -> None:
         """Hold these blocks themselves, all or nothing, recorded as one ``BlockAlloc``.
 
@@ -254,14 +268,8 @@ class KVCacheManager:
         ``OutOfBlocksError`` and nothing changes."""
         if not blocks:
             return
-        allocated, nb = self._allocated, self.geometry.num_blocks
-        for b in blocks:
-            if not 0 <= b < nb:
-                raise BlockStateError(f"block {b} is outside pool {self.pool} ({nb} blocks)")
-            if allocated[b]:
-                raise BlockStateError(f"block {b} of pool {self.pool} taken but already allocated")
-        if len(set(blocks)) != len(blocks):
-            raise BlockStateError(f"a block of pool {self.pool} appears twice in one take: {sorted(blocks)}")
+        self._check_blocks(blocks, taking=True)
+        allocated = self._allocated
         out: list[int] = []
         fresh: list[int] = []
         try:
@@ -322,14 +330,7 @@ class KVCacheManager:
         """Return blocks; pages left empty go back to the allocator (kept until the ledger agrees)."""
         if not blocks:
             return
-        allocated, nb = self._allocated, self.geometry.num_blocks
-        for b in blocks:
-            if not 0 <= b < nb:
-                raise BlockStateError(f"block {b} is outside pool {self.pool} ({nb} blocks)")
-            if not allocated[b]:
-                raise BlockStateError(f"block {b} of pool {self.pool} freed but not allocated")
-        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
-            raise BlockStateError(f"a block of pool {self.pool} appears twice in one free: {sorted(blocks)}")
+        self._check_blocks(blocks, taking=False)
         self.recorder.emit(BlockFree(self.pool, tuple(blocks)))
         emptied = []
         for b in blocks:
