@@ -47,7 +47,37 @@ _FALSE: Final = ("0", "false", "no", "off")
 _COUNT = re.compile(r"[+-]?[0-9]+")
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
-Kind = Literal["flag", "count", "mib", "word", "path"]
+Kind = Literal["flag", "count", "mib", "word", "path", "size"]
+
+# Sizes as operators type them (upstream kvcached's ``kvctl limit`` takes ``512M``, ``2G``):
+# a number, an optional unit, binary multiples either way (``G``, ``GB``, ``GiB`` are all 2**30),
+# since KV memory is counted in 2 MiB pages and nobody means 10**9 bytes of it.
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+MAX_SIZE: Final = 1 << 50  # a PiB: no machine kvcached serves on has more KV memory
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text`` (``4096``, ``512M``, ``1.5GiB``); ``ValueError`` saying what is wrong
+    (without the text, which the caller names)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None or len(text) > _LONGEST:
+        raise ValueError("not a size (a number with an optional unit: 4096, 512M, 2G, 1.5GiB)")
+    size = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+    if size.denominator != 1:
+        raise ValueError("not a whole number of bytes")
+    if size.numerator > MAX_SIZE:
+        raise ValueError(f"more than {MAX_SIZE >> 40} TiB")
+    return size.numerator
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes as a person reads them: 16 MiB, 1.5 GiB, 4096 B."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            return f"{v:.3g} {unit}" if v < 1000 else f"{v:.0f} {unit}"
+    return f"{n} B"
 
 
 class Var(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +140,26 @@ MAX_CACHED_TOKENS: Final = Var(
     hint=f"a whole number of tokens up to {MAX_TOKENS:,} ({UPSTREAM_MAX_CACHED_TOKENS} by default, "
     "0 to keep none, -1 for no cap)",
 )
+FLIGHT_EVENTS: Final = Var(
+    name="KVCACHED_FLIGHT_RECORDER_EVENTS",
+    kind="count",
+    default="65536",
+    high=1 << 24,
+    hint="a whole number of events up to 16,777,216 (65536 by default, 0 for off)",
+)
+DUMP_DIR: Final = Var(
+    name="KVCACHED_DUMP_DIR", kind="path", default="",
+    hint="a directory for flight-recorder dumps, or leave it unset ($XDG_STATE_HOME/kvcached)",
+)
+BUDGET: Final = Var(name="KVCACHED_BUDGET", kind="path", default="", hint="a budget name shared by engines, or leave it unset")
+BUDGET_BYTES: Final = Var(
+    name="KVCACHED_BUDGET_BYTES", kind="size", default="0", high=MAX_SIZE,
+    hint="a size such as 8G or 512M (0 or unset: the budget's size is set by kvctl budget)",
+)
+MAX_RESERVED_BYTES: Final = Var(
+    name="KVCACHED_MAX_RESERVED_BYTES", kind="size", default="0", high=MAX_SIZE,
+    hint="a size such as 64M (0 or unset: KVCACHED_MAX_RESERVED_PAGES alone bounds the reserve)",
+)
 SETTINGS: Final = (
     ENABLE,
     PAGE_SIZE,
@@ -120,6 +170,11 @@ SETTINGS: Final = (
     POLICY,
     JOURNAL,
     MAX_CACHED_TOKENS,
+    FLIGHT_EVENTS,
+    DUMP_DIR,
+    BUDGET,
+    BUDGET_BYTES,
+    MAX_RESERVED_BYTES,
 )
 
 # Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
@@ -133,6 +188,7 @@ OTHER_NAMES: Final = frozenset(
         "KVCACHED_REQUIRE_GPU",
         "KVCACHED_CAPTURE_DIR",
         "KVCACHED_WRITE_FIXTURE",
+        "KVCACHED_SERVE_PORT",  # set by the plugin in vllm serve's API server for its engine cores
     }
 )
 
@@ -168,6 +224,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     journal: str | None = None  # KVCACHED_LEDGER_JOURNAL
     # KVCACHED_MAX_CACHED_TOKENS: prefix-cached tokens kept on pages (upstream's default); None: no cap
     max_cached_tokens: int | None = UPSTREAM_MAX_CACHED_TOKENS
+    flight_recorder_events: int = 65536  # KVCACHED_FLIGHT_RECORDER_EVENTS; 0: off
+    dump_dir: str | None = None  # KVCACHED_DUMP_DIR; None: $XDG_STATE_HOME/kvcached
+    budget: str | None = None  # KVCACHED_BUDGET: the shared budget's name; None: this engine alone
+    budget_bytes: int = 0  # KVCACHED_BUDGET_BYTES; 0: as kvctl budget set it
+    max_reserved_bytes: int = 0  # KVCACHED_MAX_RESERVED_BYTES; 0: the page count alone bounds it
 
     @staticmethod
     def enabled_in(env: Mapping[str, str] | None = None) -> bool:
@@ -189,7 +250,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             policy=Policy(_text(e, POLICY)),
             journal=_text(e, JOURNAL) or None,
             max_cached_tokens=None if tokens < 0 else tokens,  # upstream: negative is no cap
+            flight_recorder_events=_count(e, FLIGHT_EVENTS),
+            dump_dir=_text(e, DUMP_DIR) or None,
+            budget=_text(e, BUDGET).strip() or None,
+            budget_bytes=_count(e, BUDGET_BYTES),
+            max_reserved_bytes=_count(e, MAX_RESERVED_BYTES),
         )
+        if s.budget is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", s.budget):
+            raise ConfigError(
+                f"KVCACHED_BUDGET={_show(s.budget)}: not a budget name; set letters, digits, '.', '_' or '-' "
+                "(at most 64, starting with a letter or digit)"
+            )
         if s.min_reserved_pages > s.max_reserved_pages:
             raise ConfigError(
                 f"KVCACHED_MIN_RESERVED_PAGES={s.min_reserved_pages} is above "
@@ -252,6 +323,15 @@ def _read(env: Mapping[str, str], var: Var) -> bool | int | str:
                 refusal = "not a whole number of 4 KiB units"
             else:
                 return size.numerator
+    elif var.kind == "size":
+        try:
+            n = parse_size(text)
+        except ValueError as e:
+            refusal = str(e)
+        else:
+            if var.low <= n <= var.high:
+                return n
+            refusal = "out of range"
     else:  # path
         return text
     raise ConfigError(f"{var.name}={_show(raw)}: {refusal}; set {var.hint}")
