@@ -151,7 +151,9 @@ DUMP_DIR: Final = Var(
     name="KVCACHED_DUMP_DIR", kind="path", default="",
     hint="a directory for flight-recorder dumps, or leave it unset ($XDG_STATE_HOME/kvcached)",
 )
-BUDGET: Final = Var(name="KVCACHED_BUDGET", kind="path", default="", hint="a budget name shared by engines, or leave it unset")
+BUDGET: Final = Var(
+    name="KVCACHED_BUDGET", kind="path", default="", hint="a budget name shared by engines, or leave it unset"
+)
 BUDGET_BYTES: Final = Var(
     name="KVCACHED_BUDGET_BYTES", kind="size", default="0", high=MAX_SIZE,
     hint="a size such as 8G or 512M (0 or unset: the budget's size is set by kvctl budget)",
