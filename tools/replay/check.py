@@ -69,7 +69,7 @@ def run_check(
             path=path,
             ledger=ledger,
             derived=derived,
-            from_snapshot=skip if snapshot is not None else None,
+            from_snapshot=skip if snapshot is not None or skip else None,  # skip > 0: the journal's own P.snap
             torn_tail=trace.torn_tail,
             policy_overridden=policy is not None and ledger.policy is not trace.header.policy,
             segments_note=trace.segments_note(),
