@@ -50,6 +50,7 @@ from kvcached.ledger.events import (
     PoolGeometry,
     PrefixCacheReset,
     RequestAdded,
+    RequestBlocks,
     RequestFinished,
     RequestPreempted,
     WindowHold,
@@ -101,6 +102,7 @@ ALL_EVENTS: list[Event] = [
     PageUnmapped(page=12),
     Gap(dropped=4),
     JobBuilt(job=4, kind=JobKind.LOAD, req=1, blocks=(tuple(range(3000, 3016)),), workers=1),
+    RequestBlocks(req=1, pool=0, fresh=(3000,), shared=(5,)),
 ]
 BATCHES: list[list[Event]] = [ALL_EVENTS[:5], ALL_EVENTS[5:6], ALL_EVENTS[6:]]
 
@@ -313,14 +315,15 @@ def test_length_above_max_frame_is_corruption() -> None:
 @pytest.mark.parametrize(
     ("payload", "index", "match"),
     [
-        pytest.param([[99, 1]], 16, "Invalid value 99", id="unknown-tag"),
-        pytest.param([[0, 5], [1, 0, [-5]]], 17, ">= 0", id="negative-block"),
-        pytest.param([[4, 1, 0]], 16, ">= 1", id="zero-count"),
-        pytest.param([[1, 0]], 16, "at least length 3", id="missing-field"),
-        pytest.param(7, 16, "not an array", id="not-an-array"),
+        pytest.param([[99, 1]], 0, "Invalid value 99", id="unknown-tag"),
+        pytest.param([[0, 5], [1, 0, [-5]]], 1, ">= 0", id="negative-block"),
+        pytest.param([[4, 1, 0]], 0, ">= 1", id="zero-count"),
+        pytest.param([[1, 0]], 0, "at least length 3", id="missing-field"),
+        pytest.param(7, 0, "not an array", id="not-an-array"),
     ],
 )
 def test_malformed_event_has_exact_index(payload: object, index: int, match: str) -> None:
+    index += len(ALL_EVENTS)  # the parameter counts from the first event after GOOD's
     data = GOOD + frame(msgspec.msgpack.encode(payload))
     reader = JournalReader("mem", file=io.BytesIO(data))
     seen: list[Event] = []
@@ -581,10 +584,10 @@ def test_a_header_beyond_what_a_gpu_holds_is_refused_constructed_or_decoded() ->
 
 def test_event_integers_are_int64() -> None:
     # The ledger keeps builds and indices in int64 arrays: the format bounds every integer there.
-    for payload, index in (([[0, 2**63]], 16), ([[11, 2**64 - 1]], 16), ([[0, 1], [4, 2**63, 1]], 17)):
+    for payload, after in (([[0, 2**63]], 0), ([[11, 2**64 - 1]], 0), ([[0, 1], [4, 2**63, 1]], 1)):
         with pytest.raises(MalformedEventError, match="<= 9223372036854775807") as info:
             read_bytes(GOOD + frame(msgspec.msgpack.encode(payload)))
-        assert info.value.event_index == index
+        assert info.value.event_index == len(ALL_EVENTS) + after
     events, _ = read_bytes(GOOD + frame(msgspec.msgpack.encode([[0, 2**63 - 1]])))
     assert events[-1] == BuildBoundary(build=2**63 - 1)
 

@@ -92,6 +92,48 @@ def _load_into_unmapped(t: LedgerTables, ev: JobBuilt, pool: int, ids: Sequence[
     )
 
 
+def store_owner(t: LedgerTables, ev: JobBuilt) -> None:
+    """I5: a store job copies only blocks its request holds, or held, since they were last written.
+
+    A block another request was given fresh (``RequestBlocks.fresh``) after this request last
+    held it holds the other request's KV: stored under this request's key, a later turn that
+    hits that key loads someone else's KV. vLLM 0.33.0's ``OffloadingConnectorScheduler`` does
+    so after a connector reset with sliding windows: it keeps stale window block ids of a
+    request (only ids re-allocated in the current batch are cleared) and stores them under it.
+    """
+    owned = t.owned.get(ev.req, {})
+    written = t.written
+    bad: list[tuple[int, int, int, list[int]]] = []  # (pool, block, held since or -1, [written at, by])
+    for pool, ids in enumerate(ev.blocks):
+        base = pool << 32
+        for b in ids:
+            held = owned.get(base | b, -1)
+            w = written.get(base | b)
+            if held < 0 or (w is not None and w[0] > held):
+                bad.append((pool, b, held, w if w is not None else [-1, -1]))
+    if not bad:
+        return
+    pool, b, held, (at, by) = bad[0]
+    more = f" (+{len(bad) - 1} more block(s))" if len(bad) > 1 else ""
+    mine, theirs = t.request_name(ev.req), t.request_name(by) if by >= 0 else "another request"
+    if held < 0:
+        why = f"which request {mine} never held"
+    else:
+        why = f"which request {theirs} was given fresh after {mine} last held it"
+    chain = _links(
+        t,
+        ChainLink(step="hold", index=held, build=-1, what=f"request {mine} holds block {b}"),
+        ChainLink(step="alloc", index=at, build=-1, what=f"block {b} given fresh to request {theirs}"),
+        ChainLink(step="late copy", index=t.index, build=t.build, what=f"store job {ev.job} built over block {b}"),
+    )
+    t.violate(
+        "I5", "store-of-foreign-block",
+        f"store job {ev.job} of request {mine} copies block {b} of pool {pool}, {why} "
+        f"(its KV is saved under {mine}'s key){more}",
+        page=t.bpage[pool][b] if b < len(t.bpage[pool]) else None, job=ev.job, request=mine, chain=chain,
+    )
+
+
 def unmap_under_jobs(t: LedgerTables, p: int) -> None:
     """The page goes while jobs still copy from or to it: the freed-block copy itself."""
     for job in t.jobs_on(p):

@@ -179,6 +179,23 @@ class PrefixCacheReset(_Event, frozen=True, tag=10):
     pass
 
 
+class RequestBlocks(_Event, frozen=True, tag=15):
+    """Blocks of ``pool`` that ``req`` holds from this step on, as vLLM's KV cache manager gave them.
+
+    ``fresh``: newly allocated for ``req`` (vLLM's ``BlockPool.get_new_blocks``): ``req``'s KV is
+    written into them, so they hold nobody else's from now on. ``shared``: prefix-cache hits (and
+    blocks of a resumed request it got back): ``req`` reads what is there, which is its own KV too.
+    Emitted before the build that may store them. The ledger uses these for I5 (a store job copies
+    only blocks its request holds, or held, since they were last written); a trace without any
+    ``RequestBlocks`` (every trace before this event, tag 15, was added) is not checked for I5.
+    """
+
+    req: NonNeg
+    pool: NonNeg
+    fresh: BlockIds
+    shared: BlockIds = ()
+
+
 class MemoryLimit(_Event, frozen=True, tag=11):
     """The allocator may keep at most ``pages`` pages mapped from now on."""
 
@@ -218,6 +235,7 @@ Event: TypeAlias = (
     | RequestPreempted
     | PrefixCacheReset
     | MemoryLimit
+    | RequestBlocks
     | PageMapped
     | PageUnmapped
     | Gap
@@ -241,6 +259,7 @@ EVENT_TYPES: Final[tuple[type[_Event], ...]] = (
     PageMapped,
     PageUnmapped,
     Gap,
+    RequestBlocks,
 )
 
 

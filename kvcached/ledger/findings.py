@@ -12,13 +12,14 @@ from typing import Final, Literal
 
 import msgspec
 
-InvariantId = Literal["I1", "I2", "I3", "I4"]
+InvariantId = Literal["I1", "I2", "I3", "I4", "I5"]
 
 INVARIANTS: Final[dict[str, str]] = {
     "I1": "no freed-block copy: a job's pages stay mapped from its build until fully reported",
     "I2": "no page with an allocated block is unmapped; no block is used on an unmapped page",
     "I3": "accounting: no double alloc/free, no unknown job, no over-report, no negative pin",
     "I4": "liveness: pins end within a bounded number of builds; pending shrinks finish",
+    "I5": "a store job copies only blocks its request holds, or held (window included), since they were last written",
 }
 
 

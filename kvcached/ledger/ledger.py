@@ -17,7 +17,7 @@ which most readers take to mean "cannot be mapped".) Pins are of three kinds:
 * window hold: pages of a request's sliding-window blocks, until its last build
   (``RequestFinished``) or until native matching drops its old block lists (``WindowRelease``).
 
-Invariants I1-I4 (see ``findings.INVARIANTS``) are checked on every event. A violation is
+Invariants I1-I5 (see ``findings.INVARIANTS``) are checked on every event. A violation is
 recorded as a value and the ledger keeps going: replay must see every violation, not the first.
 
 This module holds the rules only: the state they change is declared in ``tables``, the questions
@@ -46,6 +46,7 @@ from .events import (
     Policy,
     PrefixCacheReset,
     RequestAdded,
+    RequestBlocks,
     RequestFinished,
     RequestPreempted,
     WindowHold,
@@ -59,7 +60,7 @@ DEFAULT_LIVENESS_BUILDS = 16
 
 
 class Ledger(LedgerQueries):
-    """Derives the releasable pages from events and checks invariants I1-I4 on each.
+    """Derives the releasable pages from events and checks invariants I1-I5 on each.
 
     The questions (``why``, ``releasable``, ``index``, ...) are ``LedgerQueries``'; the state is
     ``tables`` (a ``LedgerTables``), which the rules below change (and ``checks``, when they
@@ -88,6 +89,7 @@ class Ledger(LedgerQueries):
             RequestPreempted: self._request_preempted,
             PrefixCacheReset: self._prefix_cache_reset,
             MemoryLimit: self._memory_limit,
+            RequestBlocks: self._request_blocks,
             PageMapped: self._page_mapped,
             PageUnmapped: self._page_unmapped,
             Gap: self._gap,
@@ -170,6 +172,9 @@ class Ledger(LedgerQueries):
             if reqs:
                 for req in reqs:
                     checks.finished_request(t, req, n)
+            if t.owned_due:
+                for req in t.owned_due.pop(k, ()):
+                    t.owned.pop(req, None)
         t.boundary_ix.append(t.index)
         t.boundary_build.append(n)
         t.build = n + 1
@@ -298,6 +303,8 @@ class Ledger(LedgerQueries):
             pages = list(dict.fromkeys(pages))
         if lost:
             checks.lost_blocks(t, ev)
+        if store and t.owners_known:
+            checks.store_owner(t, ev)
         # A JobState list (see tables.py): building a slotted object costs a third of this budget.
         req = ev.req
         t.jobs[job] = [ev.kind, req, tuple(pages), ev.workers, 0, t.build, t.index]
@@ -380,6 +387,10 @@ class Ledger(LedgerQueries):
         bpage = t.bpage[ev.pool]
         pages = {bpage[b] for b in ev.blocks if b < len(bpage) or checks.bad_block(t, ev.pool, b, "WindowHold")}
         req = ev.req
+        if t.owners_known:  # a block held in the request's window is its own (I5)
+            owned = t.owned.setdefault(req, {})
+            for b in ev.blocks:
+                owned[ev.pool << 32 | b] = t.index
         mine = t.req_holds.setdefault(req, set())
         for p in pages - mine:
             mine.add(p)
@@ -407,6 +418,10 @@ class Ledger(LedgerQueries):
         req = ev.req
         self._release_holds(req)
         t.preempted.pop(req, None)
+        if t.owners_known and req in t.owned:
+            # Its last stores may still be built in the next build (after the free): forget
+            # what it held once that build is built.
+            t.owned_due.setdefault(t.build + 1, []).append(req)
         if req in t.req_jobs:
             t.finished[req] = t.build
             t.finish_due.setdefault(t.build + t.liveness_builds, []).append(req)
@@ -420,6 +435,28 @@ class Ledger(LedgerQueries):
 
     def _prefix_cache_reset(self, ev: PrefixCacheReset) -> None:
         self.tables.prefix_cache_resets += 1
+
+    def _request_blocks(self, ev: RequestBlocks) -> None:
+        # I5's bookkeeping: who holds a block, and when it was last written (fresh allocation).
+        t = self.tables
+        if ev.pool >= t.npools:
+            checks.bad_pool(t, ev.pool, "RequestBlocks")
+            return
+        t.owners_known = True
+        req, i, base, nb = ev.req, t.index, ev.pool << 32, t.header.pools[ev.pool].num_blocks
+        owned = t.owned.setdefault(req, {})
+        written = t.written
+        for b in ev.fresh:
+            if b >= nb:
+                checks.bad_block(t, ev.pool, b, "RequestBlocks")
+                continue
+            owned[base | b] = i
+            written[base | b] = [i, req]
+        for b in ev.shared:
+            if b >= nb:
+                checks.bad_block(t, ev.pool, b, "RequestBlocks")
+                continue
+            owned[base | b] = i
 
     def _memory_limit(self, ev: MemoryLimit) -> None:
         self.tables.limit = ev.pages

@@ -83,6 +83,11 @@ class LedgerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_resets: int
     # Added after format 1's first snapshots: a default, so that those still decode.
     over_limit_since: int | None = None
+    # Added with RequestBlocks (I5): defaults, so that older snapshots still decode.
+    owners_known: bool = False
+    owned: dict[int, dict[int, int]] = {}
+    written: dict[int, list[int]] = {}
+    owned_due: dict[int, list[int]] = {}
 
 
 # The tables behind ``pools``, in PoolState's field order (``jobs`` is the table ``jobs``).

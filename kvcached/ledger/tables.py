@@ -84,6 +84,14 @@ class LedgerTables:
     finish_due: dict[int, list[int]]  # build -> finished requests whose jobs must be reported by then
     preempted: dict[int, int]  # request -> the build it was preempted in, until it finishes or releases
 
+    # --- block ownership (I5), from RequestBlocks; unchecked until the first one ---
+    owners_known: bool  # a RequestBlocks was seen: the producer says which request holds which block
+    # request -> {block key: event index since which it holds (or held) the block}; a block key
+    # is ``pool << 32 | block``. Dropped one build after the request's last build.
+    owned: dict[int, dict[int, int]]
+    written: dict[int, list[int]]  # block key -> [event index, request] of its last fresh allocation
+    owned_due: dict[int, list[int]]  # build -> finished requests whose ownership is forgotten then
+
     # --- the event stream ---
     index: int  # events applied: the index of the next one
     build: int  # the build being assembled: jobs seen now belong to it
@@ -158,6 +166,7 @@ class LedgerTables:
         self.grace, self.grace_due, self.holds, self.req_holds = {}, {}, {}, {}
         self.jobs, self.req_jobs, self.names = {}, {}, {}
         self.finished, self.finish_due, self.preempted = {}, {}, {}
+        self.owners_known, self.owned, self.written, self.owned_due = False, {}, {}, {}
         self.index = self.build = 0
         self.boundary_ix, self.boundary_build = array("q"), array("q")
         self.lossy, self.dropped_events = False, 0
