@@ -198,3 +198,54 @@ def test_make_backend() -> None:
         auto.close()
         with pytest.raises(ConfigError, match=r"needs a CUDA GPU: none is visible \(CUDA_VISIBLE_DEVICES="):
             make_backend("cuda")
+
+
+# --- checking mode: an access to an unmapped page is detected, not backed by zeros ------------
+
+
+def test_checking_mode_names_the_unmapped_page_before_any_access() -> None:
+    from kvcached.backends.host import UnmappedAccessError
+
+    with HostBackend(page_bytes=PAGE, num_pages=4, checking=True) as b:
+        b.map_page(1)
+        view = b.tensor()
+        view[PAGE : PAGE + 8] = 7  # a mapped page: read and written as always
+        b.check_access(PAGE, PAGE)
+        assert b.unmapped_in(0, 3 * PAGE) == [0, 2]
+        with pytest.raises(UnmappedAccessError, match=r"unmapped page 2 at bytes .* \(store job 5\)") as info:
+            b.check_access(PAGE, 2 * PAGE, "store job 5")
+        assert info.value.page == 2
+        b.unmap_page(1)
+        with pytest.raises(UnmappedAccessError, match="page 1"):
+            b.check_access(PAGE, 8)
+        # Recorded, then let through as an unchecked backend would: zeros.
+        b.expose(1)
+        assert int(view[PAGE : PAGE + 8].sum()) == 0
+        view[PAGE : PAGE + 8] = 9  # written while unmapped ...
+        b.map_page(1)
+        assert int(view[PAGE : PAGE + 8].sum()) == 0  # ... a map still starts from zeros
+    assert int(view[:16].sum()) == 0  # after close every view reads zeros, as unchecked
+
+
+_FAULT = """
+import sys
+from kvcached.backends import HostBackend
+b = HostBackend(page_bytes=2 << 20, num_pages=2, checking={checking})
+b.map_page(0); b.map_page(1); view = b.tensor(); view[(2 << 20) + 3] = 5; b.unmap_page(1)
+print("read", int(view[(2 << 20) + 3]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("checking", [False, True])
+def test_an_unchecked_access_to_an_unmapped_page_faults_in_checking_mode(checking: bool) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAULT.format(checking=checking)], capture_output=True, text=True, timeout=120
+    )
+    if checking:  # detected: the process dies on the access instead of reading zeros
+        assert proc.returncode == -signal.SIGSEGV and "read" not in proc.stdout
+    else:  # the unchecked backend: fresh zero memory, silently (what checking mode exists for)
+        assert proc.returncode == 0 and proc.stdout.strip() == "read 0"

@@ -16,6 +16,16 @@ process of its own, apart from the scheduler that decides which pages go: the ra
 on a tmpfs (``/dev/shm``) mapped ``MAP_SHARED`` by both, and "unmap" is ``MADV_REMOVE``, which
 frees the file's pages for every process that maps them, so the scheduler's unmap really
 returns the worker's memory and the worker's next read of the page sees zeros.
+
+*Checking* mode (``HostBackend(checking=True)``, for kvsim and tests): a read of an unmapped
+page returning zeros is exactly how the freed-block copy hides, so here an unmapped slot (never
+mapped, or unmapped) is also ``mprotect``ed ``PROT_NONE``: any access to it faults at once instead
+of being backed by fresh zero memory. A fault cannot be caught in Python (the process dies with
+SIGSEGV, which the simulator reports as a crash with faulthandler's stack), so code that touches
+KV memory asks first: ``check_access(offset, nbytes)`` raises ``UnmappedAccessError`` naming the
+page, and ``unmapped_in`` lists them. A harness that has recorded such an access and wants to go
+on as an unchecked backend would (reading zeros) calls ``expose(page)``; the slot's next map or
+unmap protects it again, and a map in checking mode always starts from zeros.
 """
 
 from __future__ import annotations
@@ -43,6 +53,16 @@ _MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0) or (
 )
 
 _MADV_REMOVE: int = getattr(mmap, "MADV_REMOVE", 9)
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+
+
+class UnmappedAccessError(BackendError):
+    """An access to a slot that is not mapped (checking mode): what would have read zeros."""
+
+    def __init__(self, page: int, offset: int, nbytes: int, what: str = "") -> None:
+        self.page, self.offset, self.nbytes = page, offset, nbytes
+        about = f" ({what})" if what else ""
+        super().__init__(f"host: access to unmapped page {page} at bytes {offset}..{offset + nbytes}{about}")
 
 # mincore over huge ranges in one call would need a vector of one byte per OS page; 1 GiB at a
 # time bounds it to 256 KiB with 4 KiB pages.
@@ -69,6 +89,7 @@ class HostBackend(Backend):
         *,
         shared: str | None = None,
         create: bool = True,
+        checking: bool = False,
     ) -> None:
         if sys.platform != "linux":
             raise ConfigError(
@@ -92,6 +113,7 @@ class HostBackend(Backend):
         # What gives a slot's memory back: a private range drops its pages; a shared file's pages
         # must be removed from the file, or the other process's mapping would keep them.
         self._drop = _MADV_REMOVE if shared is not None else mmap.MADV_DONTNEED
+        self.checking = checking
         if num_pages is not None:
             self.reserve(num_pages)
 
@@ -111,6 +133,13 @@ class HostBackend(Backend):
         self._addr = ctypes.addressof(probe)
         del probe
         self._mm = mm
+        if self.checking:  # every slot starts unmapped: no access until it is mapped
+            self._protect(0, size, _PROT_NONE)
+
+    def _protect(self, start: int, length: int, prot: int) -> None:
+        if _libc().mprotect(ctypes.c_void_p(self._addr + start), ctypes.c_size_t(length), prot) != 0:
+            err = ctypes.get_errno()
+            raise BackendError(f"host: mprotect of bytes {start}..{start + length} failed: {os.strerror(err)}")
 
     def _map_shared(self, path: str, size: int) -> mmap.mmap:
         try:
@@ -143,7 +172,11 @@ class HostBackend(Backend):
     def _map(self, index: int) -> None:
         # Nothing to do: the slot was never written or was madvised away, so the kernel hands
         # out zeroed pages on first write. Touching them here would only cost time.
-        return None
+        if self.checking:
+            assert self._mm is not None
+            # An exposed slot may have been written while unmapped: a map starts from zeros.
+            self._mm.madvise(self._drop, index * self.page_bytes, self.page_bytes)
+            self._protect(index * self.page_bytes, self.page_bytes, _PROT_RW)
 
     def _unmap(self, index: int) -> None:
         assert self._mm is not None
@@ -152,6 +185,35 @@ class HostBackend(Backend):
         except OSError as e:
             # madvise either drops the pages or fails before touching them.
             raise PageStillMappedError(f"host: madvise of page {index} failed: {e}") from e
+        if self.checking:
+            self._protect(index * self.page_bytes, self.page_bytes, _PROT_NONE)
+
+    # --- checking mode ----------------------------------------------------------------------
+
+    def unmapped_in(self, offset: int, nbytes: int) -> list[int]:
+        """The slots within bytes ``offset..offset+nbytes`` of the range that are not mapped."""
+        if nbytes <= 0:
+            return []
+        with self._lock:
+            self._check_reserved()
+            first, last = offset // self.page_bytes, (offset + nbytes - 1) // self.page_bytes
+            if first < 0 or last >= self._num_pages:
+                raise BackendError(f"host: bytes {offset}..{offset + nbytes} outside the range")
+            return [i for i in range(first, last + 1) if not self._mapped[i]]
+
+    def check_access(self, offset: int, nbytes: int, what: str = "") -> None:
+        """Raise ``UnmappedAccessError`` if bytes ``offset..offset+nbytes`` touch an unmapped slot."""
+        bad = self.unmapped_in(offset, nbytes)
+        if bad:
+            raise UnmappedAccessError(bad[0], offset, nbytes, what)
+
+    def expose(self, index: int) -> None:
+        """Checking mode: let an unmapped slot be read and written (zeros) as an unchecked backend
+        would, after its access was recorded; its next map or unmap protects it again."""
+        with self._lock:
+            self._check_reserved()
+            if self.checking and not self._mapped[index]:
+                self._protect(index * self.page_bytes, self.page_bytes, _PROT_RW)
 
     def unmap_all(self) -> None:
         """Drop the memory of every slot, mapped or not: another process sharing the range may
@@ -187,6 +249,8 @@ class HostBackend(Backend):
             return
         # One madvise over the whole range also reclaims anything written through a stale view
         # into an unmapped slot, which per-page unmapping would miss.
+        if self.checking:  # views outlive close() and read zeros, as in the unchecked mode
+            self._protect(0, len(mm), _PROT_RW)
         try:
             # Of a shared file, the creator returns the memory; an attached process only lets go.
             if self.shared is None or self._create:
@@ -237,5 +301,7 @@ def _libc() -> ctypes.CDLL:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
         lib.mincore.restype = ctypes.c_int
+        lib.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.mprotect.restype = ctypes.c_int
         _LIBC = lib
     return _LIBC
