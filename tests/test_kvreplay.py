@@ -620,16 +620,20 @@ def test_a_journal_that_starts_mid_run_needs_its_snapshot(tmp_path: Path, capsys
     with BackgroundService.start(h, config, start=live.snapshot()) as bg:
         for e in ev[1000:]:
             bg.producer.put(e)
+    whole = write(tmp_path / "whole.kvj", h, ev)
+    _, want, _ = run(capsys, "check", whole, "--json")
+    # Its own P.snap is where it starts (as for a flight-recorder dump): used without being named.
+    for extra in ([], ["--from-snapshot", f"{path}.snap"]):
+        code, out, err = run(capsys, "check", str(path), "--json", *extra)
+        got = json.loads(out)
+        assert code == 0 and got["from_snapshot"] == 1000 and got["summary"] == json.loads(want)["summary"]
+    # Without it, the journal cannot be replayed, and kvreplay says what would do.
+    os.rename(f"{path}.snap", tmp_path / "elsewhere.snap")
     code, out, err = run(capsys, "check", str(path))
     assert code == 2 and out == ""
     assert err == (
         f"kvreplay: {path}: the journal starts at event 1,000 (its service started from a snapshot); "
-        f"replay it with --from-snapshot {path}.snap\n"
+        "replay it with --from-snapshot SNAP (one taken at or after that event)\n"
     )
-    code, out, err = run(capsys, "check", str(path), "--from-snapshot", f"{path}.snap", "--json")
-    whole = write(tmp_path / "whole.kvj", h, ev)
-    _, want, _ = run(capsys, "check", whole, "--json")
-    got = json.loads(out)
-    assert code == 0 and got["from_snapshot"] == 1000 and got["summary"] == json.loads(want)["summary"]
     code, _, err = run(capsys, "compare", str(path))
     assert code == 2 and "starts at event 1000" in err and err.count("\n") == 1

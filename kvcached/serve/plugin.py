@@ -9,11 +9,17 @@ With it, three of vLLM's functions are wrapped in that process, vLLM's files sta
 * ``allocate_kv_cache`` (worker): the KV cache tensors become views of kvcached pages
   (``kv_memory``), with the shapes and strides vLLM's own allocation gives them;
 * ``Scheduler.__init__`` (engine core): the scheduler's block pool becomes page-aware, backed by
-  a kvcached manager over the worker's range, the OffloadingConnector gets the bridge, and with
-  ``KVCACHED_LEDGER_JOURNAL`` the ledger's events are journaled (all of it built by
-  ``vllm_bridge.engine.assemble``, as the scenarios and benchmarks build it);
-  ``Scheduler.shutdown`` closes the journal. The engine core logs one line saying kvcached is
-  active and with what.
+  a kvcached manager over the worker's range, the OffloadingConnector gets the bridge (all of
+  it built by ``vllm_bridge.engine.assemble``, as the scenarios and benchmarks build it), and
+  the ledger service runs in every engine: a live socket for ``kvctl`` with a replica of the
+  ledger, the flight recorder, and with ``KVCACHED_LEDGER_JOURNAL`` a journal. The scheduler's
+  KV methods run under the engine's lock (``control``), so that ``kvctl limit`` applies between
+  two of them. ``Scheduler.shutdown`` closes the service. The engine core logs one line saying
+  kvcached is active and with what.
+
+In the API server, kvcached's series join vLLM's ``/metrics`` (``metrics``), and kvcached's
+loggers write through vLLM's handlers, so its lines look like vLLM's and obey
+``VLLM_LOGGING_LEVEL``.
 
 The settings are upstream kvcached's variables (``settings.Settings``); a malformed one is
 refused like an unsupported setup.
@@ -24,14 +30,17 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import sys
 from typing import Any
 
 from ..errors import ConfigError, KvcachedError
 from ..service.ledger_service import ServiceConfig
+from ..service.live import default_socket_path
 from ..settings import Settings
+from ..version import KVCACHED_VERSION
 from ..vllm_bridge.engine import EngineConfig, assemble
-from . import checks, kv_memory
+from . import checks, control, kv_memory
 
 log = logging.getLogger("vllm.kvcached")  # a child of vLLM's logger: vLLM's format and handlers
 _ALLOC_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
@@ -49,10 +58,30 @@ def register() -> None:
     except ConfigError as e:
         _refuse(str(e))
     kv_memory.engine_key()  # made here, in the first process, so that every child inherits it
+    # The first process is vllm serve's API server: its pid and port go to every engine core it
+    # starts (inherited), for kvctl list and for its /metrics to find them.
+    os.environ.setdefault("KVCACHED_SERVE_PID", str(os.getpid()))
+    port = control.serve_port(sys.argv)
+    if port is not None:
+        os.environ.setdefault("KVCACHED_SERVE_PORT", str(port))
+    _route_logs()
     _wrap_config(settings)
     _wrap_allocation(settings)
     _wrap_scheduler(settings)
     _installed = settings
+
+
+def _route_logs() -> None:
+    """kvcached's own loggers (``kvcached.*``: the ledger service, the live view) write through
+    vLLM's handlers and level; without this their lines reach stderr through Python's
+    last-resort handler, unformatted and ignoring ``VLLM_LOGGING_LEVEL``."""
+    ours, theirs = logging.getLogger("kvcached"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _bare(e: BaseException) -> str:
@@ -94,6 +123,9 @@ def _wrap_config(settings: Settings) -> None:
             checks.check_config(config, settings, version=_vllm_version(), on_cpu=_on_cpu())
         except ConfigError as e:
             _refuse(str(e))
+        from . import metrics  # the API server's process: its /metrics gets kvcached's series
+
+        metrics.install(os.getpid())
         return config
 
     create_engine_config._kvcached = True  # type: ignore[attr-defined]
@@ -149,12 +181,21 @@ class EngineState:
         geometry = plan.geometry
         block_size = int(scheduler.cache_config.block_size)
         cap = settings.max_cached_blocks(block_size)
-        # The journal is written by the ledger service's thread, off the scheduler's path, within
-        # ``flush_interval`` of each event: vLLM kills the engine core at shutdown without
-        # calling the scheduler's shutdown, so nothing may wait for a final flush.
-        service = None
-        if settings.journal:
-            service = ServiceConfig(journal=settings.journal, replica=False, snapshot_every=0, flush_interval=0.005)
+        timer = control.MapTimer(backend)
+        # The service runs in every engine (live socket, replica, flight recorder); the journal,
+        # if any, is written by its thread, off the scheduler's path, within ``flush_interval`` of
+        # each event: vLLM kills the engine core at shutdown without calling the scheduler's
+        # shutdown, so nothing may wait for a final flush.
+        socket = default_socket_path()
+        service = ServiceConfig(
+            journal=settings.journal,
+            replica=True,
+            snapshot_every=1_000_000 if settings.journal else 0,
+            flush_interval=0.005,
+            socket=socket,
+            flight_events=settings.flight_recorder_events,
+            dump_dir=settings.dump_dir,
+        )
         config = EngineConfig(
             policy=settings.policy,
             min_reserved_pages=settings.min_reserved_pages,
@@ -168,14 +209,27 @@ class EngineState:
         self.pool = self.engine.pool
         self.bridge = self.engine.bridge
         self._closed = False
+        info = control.engine_info(
+            scheduler, socket=socket, policy=settings.policy.value,
+            versions={"vllm": _vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
+        )
+        self.control = control.ServedEngine(self.engine, info, geometry.page_bytes * geometry.regions, timer)
+        self.lock = self.control.lock
+        self.failed = self.control.failed
+        if self.engine.service is not None:
+            self.engine.service.service.control = self.control
         atexit.register(self.close)
+        flight = f"last {settings.flight_recorder_events} events" if settings.flight_recorder_events else "off"
         log.info(
-            "[kvcached] active: backend=%s, page=%g MiB, policy=%s, journal=%s, offloading bridge=%s, KV: %s",
+            "[kvcached] active: backend=%s, page=%g MiB, policy=%s, journal=%s, offloading bridge=%s, "
+            "kvctl socket=%s, flight recorder=%s, KV: %s",
             backend.kind + (" (shared)" if getattr(backend, "shared", None) else ""),
             geometry.page_bytes / (1 << 20),
             settings.policy.value,
             settings.journal or "off",
             "on" if self.engine.offloading else "off",
+            socket,
+            flight,
             plan.describe(),
         )
 
@@ -218,3 +272,9 @@ def _wrap_scheduler(settings: Settings) -> None:
     __init__._kvcached = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__  # type: ignore[method-assign,unused-ignore]
     Scheduler.shutdown = shutdown  # type: ignore[method-assign,unused-ignore]
+    control.lock_scheduler_methods(Scheduler, "_kvcached")
+    try:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    except ImportError:  # a vLLM without async scheduling
+        return
+    control.lock_scheduler_methods(AsyncScheduler, "_kvcached")

@@ -7,20 +7,31 @@ table when a person is watching and plain aligned columns when the output goes t
 file, and turns every failure (no service, a stale socket, permission denied, a refused request)
 into one line on stderr and exit status 2, never a traceback; a malformed argument too (a
 timeout of ``-1``, ``nan``, ``inf`` or ``1e300``, a page beyond what the protocol carries), as
-argparse does but without the usage block. The socket is ``--socket PATH``,
-else ``$KVCACHED_LEDGER_SOCKET``, else the only socket in the default directory.
+argparse does but without the usage block. The engine is ``--socket PATH``, else ``-e ENGINE``
+(a pid, a socket path or part of a model name, as ``kvctl list`` shows them), else
+``$KVCACHED_LEDGER_SOCKET``, else the only engine of this user on this machine.
 
-    kvctl pins [--limit N] [--json]    page, pin kind, job or request, since build, waiting workers
-    kvctl status [--json]              pages mapped / pinned / releasable, jobs, journal, gaps
-    kvctl why PAGE [--json]            everything that keeps one page
-    kvctl tail [--count N]             events as the service journals them
+    kvctl list [--all] [--json]           this user's kvcached engines: model, pid, port, memory, socket
+    kvctl status [--json]                 pages, memory and limit (and what a shrink waits on), jobs, journal
+    kvctl pins [--limit N] [--json]       page, pin kind, job or request, since build, waiting workers
+    kvctl why PAGE [--json]               everything that keeps one page
+    kvctl tail [--count N]                events as the service journals them
+    kvctl limit [ENGINE] SIZE             the engine's KV memory limit (512M, 2G, none), honouring pins
+    kvctl limit-percent [ENGINE] PCT      the same, as a percentage of the engine's KV capacity
+    kvctl dump [ENGINE] -o FILE           the flight recorder's events as a replayable trace
+    kvctl watch [-n SEC]                  kvctl list, again every SEC seconds
+
+Upstream kvcached's ``limit`` and ``limit-percent`` keep their meaning and size syntax; its
+commands that have no meaning here (``kvtop``, ``shell``, ``delete``) say so in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Final, NoReturn, TextIO
 
@@ -29,6 +40,8 @@ import msgspec
 from kvcached.errors import KvcachedError
 from kvcached.ledger.events import describe
 from kvcached.service import live, messages
+from kvcached.settings import format_size, parse_size
+from kvcached.version import KVCACHED_VERSION
 
 _PINS_HEAD = ("page", "pin", "job or request", "since build", "waiting workers")
 MAX_TIMEOUT: Final = 86_400.0  # a day: longer is a typo (and 1e300 overflows the socket's timeval)
@@ -112,9 +125,10 @@ def cmd_status(path: str, args: argparse.Namespace, out: TextIO) -> int:
     s = live.request(path, messages.Request(op="status"), timeout=args.timeout)
     assert isinstance(s, messages.StatusReply)
     if args.json:
-        out.write(msgspec.json.encode(s).decode() + "\n")
+        out.write(_status_json(s) + "\n")
         return 0
     rows: list[tuple[str, str]] = [("service", f"pid {s.pid}, up {s.uptime_s:.0f} s, {s.events} events taken")]
+    rows += _status_rows(s)
     lg = s.ledger
     if lg is None:
         rows.append(("ledger", "no replica (replica=False): page counts and pins are not available"))
@@ -145,7 +159,8 @@ def cmd_status(path: str, args: argparse.Namespace, out: TextIO) -> int:
         ("journal", journal),
         ("hand-off", f"{h.queued} of {h.capacity} queued; {h.dropped} dropped in {h.gaps} gap(s), "
                      f"{h.episodes} overflow episode(s)"),
-        ("live view", f"{s.clients} client(s), {s.dropped_clients} slow client(s) dropped"),
+        ("live view", f"{s.clients} client(s), {s.dropped_clients} slow client(s) dropped, "
+                      f"{s.evicted_clients} idle one(s) let go"),
     ]
     if _fancy(out):
         _rich(out, "kvcached ledger service", None, list(rows), set())
@@ -175,7 +190,202 @@ def cmd_tail(path: str, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-COMMANDS = {"pins": cmd_pins, "status": cmd_status, "why": cmd_why, "tail": cmd_tail}
+def _memory_line(m: messages.MemoryStatus) -> str:
+    limit = "none" if m.limit_pages >= m.num_pages else format_size(m.limit_bytes)
+    return (
+        f"{format_size(m.mapped_bytes)} mapped of {format_size(m.capacity_bytes)} ({m.mapped_pages} pages of "
+        f"{format_size(m.page_bytes)}: {m.in_use_pages} in use, {m.reserved_pages} reserved); limit {limit}"
+    )
+
+
+def _memory_json(m: messages.MemoryStatus) -> dict[str, object]:
+    d: dict[str, object] = msgspec.to_builtins(m)
+    d.update(mapped_bytes=m.mapped_bytes, limit_bytes=m.limit_bytes, capacity_bytes=m.capacity_bytes)
+    return d
+
+
+def _status_rows(s: messages.StatusReply) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    e = s.engine
+    if e is not None:
+        port = f", port {e.port}" if e.port is not None else ""
+        rows.append(("engine", f"{e.model}, pid {e.pid}{port}, vLLM {e.vllm}, kvcached {e.kvcached}"))
+    m = s.memory
+    if m is not None:
+        rows.append(("memory", _memory_line(m)))
+        rows.append(("shrink", m.reason if m.shrink_pending else "none pending"))
+    if s.pinned_by_kind:
+        rows.append(("pinned by", ", ".join(f"{k} {n}" for k, n in sorted(s.pinned_by_kind.items()))))
+    if s.violations_by_invariant:
+        rows.append(("violated", ", ".join(f"{k} x{n}" for k, n in sorted(s.violations_by_invariant.items()))))
+    f = s.flight
+    if f is not None:
+        dumps = f"; saved: {', '.join(f.dumps)}" if f.dumps else ""
+        rows.append(("flight rec.", f"events {f.first_event}..{f.first_event + f.events} kept{dumps}"))
+    return rows
+
+
+def _status_json(s: messages.StatusReply) -> str:
+    d = msgspec.to_builtins(s)
+    if s.memory is not None:
+        d["memory"] = _memory_json(s.memory)
+    return msgspec.json.encode(d).decode()
+
+
+# --- the engines of this user: list, watch ---------------------------------------------------------
+
+
+class Found(msgspec.Struct, frozen=True, kw_only=True):
+    socket: str
+    alive: bool
+    status: messages.StatusReply | None = None
+    problem: str | None = None
+
+
+def discover(timeout: float = 2.0, folder: str | None = None) -> list[Found]:
+    """Every socket in the live view's directory, asked for its status: a socket whose engine is
+    gone (SIGKILL leaves it behind) answers nothing and is reported as not alive."""
+    where = folder or live.default_socket_dir()
+    paths = []
+    env = os.environ.get(live.SOCKET_ENV)
+    if env:
+        paths.append(env)
+    with contextlib.suppress(OSError):  # no directory: no engine has run here
+        paths += [os.path.join(where, n) for n in sorted(os.listdir(where)) if n.endswith(".sock")]
+    found = []
+    for path in dict.fromkeys(paths):
+        try:
+            reply = live.request(path, messages.Request(op="status"), timeout=timeout)
+        except live.LiveViewError as exc:
+            found.append(Found(socket=path, alive=False, problem=str(exc)))
+            continue
+        assert isinstance(reply, messages.StatusReply)
+        found.append(Found(socket=path, alive=True, status=reply))
+    return found
+
+
+def _list_cells(f: Found) -> tuple[str, ...]:
+    s = f.status
+    if s is None:
+        return ("-", "-", "-", "-", "-", "dead", f.socket)
+    e, m = s.engine, s.memory
+    model = e.model if e is not None else "?"
+    port = str(e.port) if e is not None and e.port is not None else "-"
+    mem = "-" if m is None else format_size(m.mapped_bytes)
+    limit = "-" if m is None else ("none" if m.limit_pages >= m.num_pages else format_size(m.limit_bytes))
+    state = "shrinking" if m is not None and m.shrink_pending else "serving"
+    if s.violations_by_invariant:
+        state += " (violations: " + ",".join(sorted(s.violations_by_invariant)) + ")"
+    return (model, str(s.pid), port, mem, limit, state, f.socket)
+
+
+_LIST_HEAD = ("model", "pid", "port", "mapped", "limit", "state", "socket")
+
+
+def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
+    found = [f for f in discover(min(args.timeout, 2.0)) if f.alive or args.all]
+    if args.json:
+        rows = []
+        for f in found:
+            d: dict[str, object] = {"socket": f.socket, "alive": f.alive}
+            if f.status is not None:
+                d["status"] = msgspec.json.decode(_status_json(f.status))
+            if f.problem is not None:
+                d["problem"] = f.problem
+            rows.append(d)
+        out.write(msgspec.json.encode(rows).decode() + "\n")
+        return 0
+    if not found:
+        out.write(f"no kvcached engine of this user answers in {live.default_socket_dir()}\n")
+        return 0
+    cells = [_list_cells(f) for f in found]
+    if _fancy(out):
+        _rich(out, "kvcached engines", _LIST_HEAD, cells, {1, 2, 3, 4})
+    else:
+        _plain(out, _LIST_HEAD, cells, {1, 2, 3, 4})
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace, out: TextIO) -> int:
+    while True:
+        out.write(time.strftime("%H:%M:%S") + "\n")
+        cmd_list(args, out)
+        out.flush()
+        time.sleep(args.interval)
+
+
+def resolve(engine: str) -> str:
+    """The socket of ``engine``: a socket path, a pid, or part of a model name (one match)."""
+    if os.sep in engine or engine.endswith(".sock"):
+        return engine
+    alive = [f for f in discover() if f.alive and f.status is not None]
+    if engine.isdigit():
+        hits = [f for f in alive if f.status is not None and f.status.pid == int(engine)]
+    else:
+        hits = [f for f in alive if f.status and f.status.engine and engine in f.status.engine.model]
+    if len(hits) == 1:
+        return hits[0].socket
+    if not hits:
+        raise live.LiveViewError(f"no running kvcached engine matches {engine!r} (see kvctl list)")
+    pids = ", ".join(str(f.status.pid) for f in hits if f.status is not None)
+    raise live.LiveViewError(f"{len(hits)} engines match {engine!r} (pids {pids}); name one by pid")
+
+
+# --- steering: limit, dump --------------------------------------------------------------------------
+
+
+def _set_limit(path: str, size: int | None, args: argparse.Namespace, out: TextIO) -> int:
+    reply = live.request(path, messages.Request(op="limit", size=-1 if size is None else size), timeout=args.timeout)
+    assert isinstance(reply, messages.LimitReply)
+    m = reply.memory
+    if args.json:
+        out.write(msgspec.json.encode(_memory_json(m)).decode() + "\n")
+        return 0
+    out.write(_memory_line(m) + "\n")
+    out.write(("shrinking: " + m.reason if m.shrink_pending else "within the limit") + "\n")
+    return 0
+
+
+def cmd_limit(path: str, args: argparse.Namespace, out: TextIO) -> int:
+    return _set_limit(path, args.size, args, out)
+
+
+def cmd_limit_percent(path: str, args: argparse.Namespace, out: TextIO) -> int:
+    status = live.request(path, messages.Request(op="status"), timeout=args.timeout)
+    assert isinstance(status, messages.StatusReply)
+    if status.memory is None:
+        raise live.LiveViewError(f"{path}: this service reports no engine memory to take a percentage of")
+    size = status.memory.capacity_bytes * args.percent // 100
+    return _set_limit(path, None if args.percent >= 100 else size, args, out)
+
+
+def cmd_dump(path: str, args: argparse.Namespace, out: TextIO) -> int:
+    reply = live.request(path, messages.Request(op="dump"), timeout=args.timeout)
+    assert isinstance(reply, messages.DumpReply)
+    from kvcached.service.flight import Dump, write_dump
+
+    dump = Dump(first_event=reply.first_event, events=reply.events, journal=reply.journal, snapshot=reply.snapshot)
+    try:
+        written = write_dump(dump, args.output, replace=True)
+    except OSError as exc:
+        raise live.LiveViewError(f"{args.output}: cannot write the dump: {exc.strerror or exc}") from None
+    if args.json:
+        out.write(msgspec.json.encode({"files": written, "first_event": dump.first_event, "events": dump.events})
+                  .decode() + "\n")
+        return 0
+    out.write(f"{dump.events} events (from event {dump.first_event}) written to {', '.join(written)}\n")
+    out.write(f"replay with: kvreplay check {args.output}\n")
+    return 0
+
+
+_NOT_HERE = {
+    "kvtop": "kvtop is upstream kvcached's GPU memory monitor; here use kvctl watch, or /metrics",
+    "shell": "kvctl has no interactive shell here; run one command per call",
+    "delete": "there are no IPC segments to delete here: an engine's memory goes with its process",
+}
+
+COMMANDS = {"pins": cmd_pins, "status": cmd_status, "why": cmd_why, "tail": cmd_tail, "limit": cmd_limit,
+            "limit-percent": cmd_limit_percent, "dump": cmd_dump}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -209,30 +419,108 @@ def _whole(low: int, what: str) -> Callable[[str], int]:
     return parse
 
 
+def _size(text: str) -> int | None:
+    if text.strip().lower() in ("none", "max", "off", "unlimited"):
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def _percent(text: str) -> int:
+    v = _whole(0, "a percentage")(text)
+    if v > 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a percentage from 0 to 100")
+    return v
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="kvctl", description="Ask a running engine's kvcached ledger service.")
-    ap.add_argument("--socket", metavar="PATH", help=f"the service's socket (default: ${live.SOCKET_ENV})")
+    ap = _Parser(prog="kvctl", description="Watch and steer the kvcached engines of this user on this machine.")
+    ap.add_argument("--version", action="version", version=f"kvctl (kvcached {KVCACHED_VERSION})")
+    ap.add_argument("--socket", metavar="PATH", help=f"the engine's socket (default: ${live.SOCKET_ENV})")
+    ap.add_argument("-e", "--engine", metavar="ENGINE", help="the engine: a pid, a socket or part of a model name")
     limits = f"default 10, at most {MAX_TIMEOUT:g}"
     ap.add_argument("--timeout", type=_seconds, default=10.0, help=f"seconds to wait for an answer ({limits})")
-    sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("pins", help="every pin: page, kind, job or request, since build, waiting workers")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ls = sub.add_parser("list", help="this user's kvcached engines on this machine", description=(
+        "Every kvcached engine of this user on this machine (its model, pid, HTTP port, memory and socket). "
+        "A socket left by an engine that was killed is not listed; --all shows it as dead."))
+    ls.add_argument("--all", action="store_true", help="also the sockets nobody answers on")
+    ls.add_argument("--json", action="store_true", help="one JSON array, each engine's full status")
+    s = sub.add_parser("status", help="memory, limit, pins, jobs, journal and flight recorder at a glance",
+                       description="One engine at a glance; a pending shrink says what it waits on.")
+    s.add_argument("--json", action="store_true", help="the full reply as JSON")
+    p = sub.add_parser("pins", help="every pin: page, kind, job or request, since build, waiting workers",
+                       description="Every pin the engine's ledger holds, by page.")
     p.add_argument("--limit", type=_whole(0, "a number of pins"), help="show at most N pins")
-    p.add_argument("--json", action="store_true")
-    s = sub.add_parser("status", help="pages, jobs, journal and hand-off at a glance")
-    s.add_argument("--json", action="store_true")
-    w = sub.add_parser("why", help="everything that keeps one page")
-    w.add_argument("page", type=_whole(0, "a page number"))
-    w.add_argument("--json", action="store_true")
-    t = sub.add_parser("tail", help="events as the service journals them (Ctrl-C to stop)")
+    p.add_argument("--json", action="store_true", help="the reply as JSON")
+    w = sub.add_parser("why", help="everything that keeps one page", description="Why a page is mapped, or not.")
+    w.add_argument("page", type=_whole(0, "a page number"), help="the page number (kvctl pins shows them)")
+    w.add_argument("--json", action="store_true", help="the reply as JSON")
+    t = sub.add_parser("tail", help="events as the service journals them (Ctrl-C to stop)",
+                       description="Ledger events as they happen, one per line.")
     t.add_argument("--count", type=_whole(1, "a number of events"), help="stop after N events")
+    lim = sub.add_parser("limit", help="set an engine's KV memory limit (512M, 2G, none)", description=(
+        "Set the engine's KV memory limit, in bytes with an optional unit (512M, 2G, 1.5GiB) or 'none'. A lower "
+        "limit shrinks now as far as pins allow (a page a copy may still read stays until it is released); "
+        "kvctl status says what the rest waits on."))
+    lim.add_argument("target", nargs="+", metavar="[ENGINE] SIZE", help="the engine (optional) and the size")
+    lim.add_argument("--json", action="store_true", help="the engine's memory after the change, as JSON")
+    pct = sub.add_parser("limit-percent", help="set the limit as a percentage of the engine's KV capacity",
+                         description="As limit, as a percentage (0-100) of the KV memory vLLM sized this engine for.")
+    pct.add_argument("target", nargs="+", metavar="[ENGINE] PCT", help="the engine (optional) and the percentage")
+    pct.add_argument("--json", action="store_true", help="the engine's memory after the change, as JSON")
+    d = sub.add_parser("dump", help="save the flight recorder as a replayable trace", description=(
+        "Write the engine's flight recorder (its latest events and the ledger state before them) to FILE "
+        "(and FILE.snap when it starts mid-run); replay it with kvreplay check FILE."))
+    d.add_argument("engine_arg", nargs="?", metavar="ENGINE", help="the engine (optional)")
+    d.add_argument("-o", "--output", required=True, metavar="FILE", help="the trace to write (replaced if a file)")
+    d.add_argument("--json", action="store_true", help="the files written, as JSON")
+    wa = sub.add_parser("watch", help="kvctl list, again every few seconds", description="kvctl list, repeated.")
+    wa.add_argument("-n", "--interval", type=_seconds, default=2.0, help="seconds between updates (default 2)")
+    wa.add_argument("--all", action="store_true", help="also the sockets nobody answers on")
+    wa.add_argument("--json", action="store_true", help="one JSON array per update")
+    for name, why in _NOT_HERE.items():
+        sub.add_parser(name, help=f"upstream kvcached's; not here ({why.split(';')[0]})", description=why)
     return ap
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
-    args = parser().parse_args(argv)
-    stream = out if out is not None else sys.stdout
+def _split_target(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """``limit [ENGINE] SIZE``: one or two words; the last is the size (or percentage)."""
+    words = args.target
+    if len(words) > 2:
+        ap.error(f"{args.command}: give [ENGINE] and one value, not {len(words)} words")
+    value = words[-1]
+    if len(words) == 2:
+        args.engine = words[0]
     try:
-        return COMMANDS[args.command](live.find_socket(args.socket), args, stream)
+        if args.command == "limit":
+            args.size = _size(value)
+        else:
+            args.percent = _percent(value)
+    except argparse.ArgumentTypeError as exc:
+        ap.error(f"{args.command}: {exc}")
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    stream = out if out is not None else sys.stdout
+    if args.command in _NOT_HERE:
+        print(f"kvctl: {_NOT_HERE[args.command]}", file=sys.stderr)
+        return 2
+    if args.command in ("limit", "limit-percent"):
+        _split_target(args, ap)
+    if args.command == "dump" and args.engine_arg:
+        args.engine = args.engine_arg
+    try:
+        if args.command == "list":
+            return cmd_list(args, stream)
+        if args.command == "watch":
+            return cmd_watch(args, stream)
+        path = args.socket or (resolve(args.engine) if args.engine else None)
+        return COMMANDS[args.command](live.find_socket(path), args, stream)
     except KvcachedError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 2

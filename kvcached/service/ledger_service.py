@@ -50,8 +50,9 @@ from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.segments import segment_header, segment_path, snapshot_path, write_snapshot
 from kvcached.ledger.state import LedgerSnapshot
 from kvcached.service import journal_files
+from kvcached.service.flight import FlightRecorder, default_dump_dir, dump_name, make_dump_dir, write_dump
 from kvcached.service.live import LiveServer
-from kvcached.service.messages import HandoffStatus, JournalStatus
+from kvcached.service.messages import DumpReply, EngineControl, FlightStatus, HandoffStatus, JournalStatus
 
 log = logging.getLogger("kvcached.service.ledger_service")
 
@@ -79,6 +80,8 @@ class ServiceConfig:
     live_queue: int = 256  # batches queued per tail client before it counts as stopped reading
     on_durable: Callable[[int], None] | None = None  # gets the durable event count, on the loop; never raise
     keep_runs: int = 3  # earlier runs' journals kept beside it (P.run<N>, ...); 0: the previous run's is deleted
+    flight_events: int = 0  # the flight recorder keeps at least this many latest events; 0: off
+    dump_dir: str | None = None  # where the flight recorder saves itself; None: $XDG_STATE_HOME/kvcached
 
     def __post_init__(self) -> None:
         try:  # the string a setting or a caller gives is accepted too
@@ -87,7 +90,7 @@ class ServiceConfig:
             raise ConfigError(f"ledger service: durability {self.durability!r}: use none, interval or batch") from None
         bad = [f"{k}={getattr(self, k)}" for k in ("capacity", "batch_events", "live_queue") if getattr(self, k) < 1]
         bad += [f"{k}={getattr(self, k)}" for k in ("fsync_interval", "flush_interval") if getattr(self, k) <= 0]
-        nonneg = ("rotate_bytes", "snapshot_every", "keep_runs")
+        nonneg = ("rotate_bytes", "snapshot_every", "keep_runs", "flight_events")
         bad += [f"{k}={getattr(self, k)}" for k in nonneg if getattr(self, k) < 0]
         if bad:
             raise ConfigError(f"ledger service: {', '.join(bad)}: out of range")
@@ -203,11 +206,21 @@ class LedgerService:
         self._episodes_seen = self._dropped_seen = 0
         self._stopping = self._started = False
         self.started_unix = time.time()
+        self.control: EngineControl | None = None  # set by the engine that owns this service
+        self.flight = FlightRecorder(header, cfg.flight_events, start) if cfg.flight_events else None
+        self.dumps: list[str] = []  # flight-recorder files written by this service
+        self._violations_seen = 0
+        self._dumped_invariants: set[str] = set()
+        self._dump_at_stop: str | None = None
+        self._dump_requests: collections.deque[tuple[str, threading.Event, list[str]]] = collections.deque()
 
     # --- control, from any thread -------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Ask :meth:`run` to drain, close the journal and return (thread-safe, idempotent)."""
+    def stop(self, *, dump: str | None = None) -> None:
+        """Ask :meth:`run` to drain, close the journal and return (thread-safe, idempotent);
+        with ``dump`` (why), the flight recorder is saved once the last events are in."""
+        if dump is not None and self.flight is not None:
+            self._dump_at_stop = dump
         self._stopping = True
         with contextlib.suppress(OSError):
             os.write(self.producer._wfd, b"\0")
@@ -224,6 +237,31 @@ class LedgerService:
     def handoff_status(self) -> HandoffStatus:
         p = self.producer
         return HandoffStatus(capacity=p.capacity, queued=p.queued, dropped=p.dropped, gaps=p.gaps, episodes=p.episodes)
+
+    def request_dump(self, reason: str, *, wait: float = 10.0) -> str | None:
+        """From any thread (the scheduler's, after an error): save the flight recorder once the
+        events already handed off are in it; waits up to ``wait`` s for the file's name."""
+        if self.flight is None or self._stopping:
+            return None
+        done, out = threading.Event(), list[str]()
+        self._dump_requests.append((reason, done, out))
+        with contextlib.suppress(OSError):
+            os.write(self.producer._wfd, b"\0")
+        done.wait(wait)
+        return out[0] if out else None
+
+    def flight_status(self) -> FlightStatus | None:
+        f = self.flight
+        if f is None:
+            return None
+        return FlightStatus(capacity=f.capacity, first_event=f.first_event, events=f.events, dumps=list(self.dumps))
+
+    def dump(self, reason: str) -> DumpReply | None:
+        """The flight recorder's events as a trace, in memory (on the loop: ``kvctl dump``)."""
+        if self.flight is None:
+            return None
+        d = self.flight.dump(reason)
+        return DumpReply(first_event=d.first_event, events=d.events, journal=d.journal, snapshot=d.snapshot)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -244,6 +282,10 @@ class LedgerService:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._disk(self._close_journal)
+                if self._dump_at_stop is not None:
+                    await self._save_flight(self._dump_at_stop, "stop")
+                while self._dump_requests:  # asked as the service stopped: nobody waits forever
+                    self._dump_requests.popleft()[1].set()
 
     async def _drain_forever(self) -> None:
         p, cfg = self.producer, self.config
@@ -263,6 +305,12 @@ class LedgerService:
                 await self._process([pop() for _ in range(min(len(q), limit))])
                 idle = cfg.flush_interval
                 continue
+            while self._dump_requests:  # the hand-off is empty: every event before the request is in
+                reason, done, out = self._dump_requests.popleft()
+                path = await self._save_flight(reason, "error")
+                if path is not None:
+                    out.append(path)
+                done.set()
             if self._overflowing and not p._dropped:
                 # One warning per overload, not per refill: a slow disk frees and refills the hand-off
                 # once per batch, which would otherwise log at the batch rate.
@@ -310,6 +358,11 @@ class LedgerService:
         payload = encode_batch(batch)
         first = self.index
         self.index = first + len(batch)
+        flight = self.flight
+        if flight is not None:
+            flight.add(first, len(batch), payload, None if self.replica is None else self.replica.snapshot)
+        if self.replica is not None and len(self.replica.violations) > self._violations_seen:
+            await self._on_violations()
         for listener in self.listeners:
             listener(first, payload)
         if self._writer is not None:
@@ -318,6 +371,44 @@ class LedgerService:
         due = every and self.index - (self._snap_index or 0) >= every
         if due and self._writer is not None and self.replica is not None:
             await self._disk(self._write_snapshot, self.replica.snapshot())
+
+    async def _on_violations(self) -> None:
+        """The first violation of each invariant saves the flight recorder, with one log line
+        naming the file and the command that replays it."""
+        replica = self.replica
+        assert replica is not None
+        new = replica.violations[self._violations_seen:]
+        self._violations_seen = len(replica.violations)
+        for v in new:
+            if v.invariant in self._dumped_invariants:
+                continue
+            self._dumped_invariants.add(v.invariant)
+            log.error("kvcached: invariant %s violated: %s", v.invariant, v.one_line())
+            if self.flight is not None:
+                await self._save_flight(f"{v.invariant} at event {v.index}", v.invariant)
+
+    async def _save_flight(self, reason: str, tag: str | None) -> str | None:
+        flight = self.flight
+        assert flight is not None
+        dump = flight.dump(reason)  # on the loop: the ring must not turn while it is read
+        folder = self.config.dump_dir or default_dump_dir()
+        path = dump_name(folder, os.getpid(), tag or reason)
+
+        def write() -> list[str]:
+            make_dump_dir(folder)
+            return write_dump(dump, path)
+
+        try:
+            written = await anyio.to_thread.run_sync(write)
+        except OSError as exc:
+            log.error("kvcached: the flight recorder could not be saved to %s: %s", path, exc.strerror or exc)
+            return None
+        self.dumps.append(path)
+        log.error(
+            "kvcached: flight recorder (%s): the last %d events saved to %s; replay with: kvreplay check %s",
+            reason, dump.events, written[-1], path,
+        )
+        return path
 
     async def _disk(self, fn: Callable[..., None], *args: object) -> None:
         """Runs ``fn`` in a worker thread; a disk error stops journaling, never the service."""

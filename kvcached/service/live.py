@@ -38,10 +38,13 @@ from kvcached.service.messages import (
     LEN,
     MAX_REPLY,
     MAX_REQUEST,
+    EngineInfo,
     ErrorReply,
     EventsReply,
     LedgerCounts,
+    LimitReply,
     LiveSource,
+    MemoryStatus,
     PinRow,
     PinsReply,
     Reply,
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcached.service.live")
 
 SOCKET_ENV: Final = "KVCACHED_LEDGER_SOCKET"
+_MAX_SIZE: Final = 1 << 50  # settings.MAX_SIZE: a limit beyond a PiB is a typo
 
 
 class LiveViewError(KvcachedError):
@@ -286,7 +290,7 @@ class LiveServer:
                     return
                 await self._tail(stream, buffered)
                 return
-            reply = self.answer(request)
+            reply = await self.respond(request)
             if not await self._send(stream, reply) or isinstance(reply, ErrorReply):
                 return
 
@@ -319,9 +323,41 @@ class LiveServer:
             await buffered.receive()
         scope.cancel()
 
-    def answer(self, request: Request) -> Reply:
+    async def respond(self, request: Request) -> Reply:
+        """``answer``, with what the engine itself must say (its memory, a new limit) asked in a
+        worker thread: the engine answers between two scheduler steps, and the loop goes on."""
+        control = self.service.control
+        if request.op == "limit":
+            if control is None:
+                return ErrorReply("limit: this service belongs to no engine whose memory it could limit")
+            size = request.size
+            if size is not None and size > _MAX_SIZE:
+                return ErrorReply(f"limit: {size} bytes is beyond any machine's memory")
+            try:
+                memory = await anyio.to_thread.run_sync(control.set_limit, None if size is None or size < 0 else size)
+            except KvcachedError as exc:
+                return ErrorReply(f"limit: {exc}")
+            return LimitReply(memory)
+        if request.op == "status" and control is not None:
+            try:
+                memory = await anyio.to_thread.run_sync(control.memory)
+            except KvcachedError as exc:
+                return ErrorReply(f"status: {exc}")
+            return self.answer(request, memory=memory, engine=control.info())
+        return self.answer(request)
+
+    def answer(
+        self, request: Request, *, memory: MemoryStatus | None = None, engine: EngineInfo | None = None
+    ) -> Reply:
         svc = self.service
         lg = svc.replica
+        if request.op == "dump":
+            dump = svc.dump("kvctl dump")
+            if dump is None:
+                return ErrorReply("dump: the flight recorder is off (KVCACHED_FLIGHT_RECORDER_EVENTS=0)")
+            return dump
+        if request.op == "limit":
+            return ErrorReply("limit: this service belongs to no engine whose memory it could limit")
         if request.op == "status":
             counts = None
             if lg is not None:
@@ -331,10 +367,22 @@ class LiveServer:
                     outstanding_jobs=lg.outstanding_jobs(), violations=len(lg.violations), lossy=lg.lossy,
                     dropped_events=lg.dropped_events,
                 )
+            by_invariant: dict[str, int] = {}
+            by_kind: dict[str, int] = {}
+            if lg is not None:
+                for v in lg.violations:
+                    by_invariant[v.invariant] = by_invariant.get(v.invariant, 0) + 1
+                seen: set[tuple[int, str]] = set()
+                for row in self._pin_rows(lg):
+                    if (row.page, row.kind) not in seen:
+                        seen.add((row.page, row.kind))
+                        by_kind[row.kind] = by_kind.get(row.kind, 0) + 1
             return StatusReply(
                 pid=os.getpid(), uptime_s=time.time() - svc.started_unix, events=svc.index, ledger=counts,
                 journal=svc.journal_status(), handoff=svc.handoff_status(),
-                clients=self.clients, dropped_clients=self.dropped_clients,
+                clients=self.clients, dropped_clients=self.dropped_clients, evicted_clients=self.evicted_clients,
+                engine=engine, memory=memory, flight=svc.flight_status(),
+                violations_by_invariant=by_invariant, pinned_by_kind=by_kind,
             )
         if lg is None:
             return ErrorReply(f"'{request.op}' needs the service's ledger replica, which is off (replica=False)")
@@ -342,16 +390,21 @@ class LiveServer:
             if request.page is None or not 0 <= request.page < lg.num_pages:
                 return ErrorReply(f"why: page {request.page} is not a page of this ledger (0..{lg.num_pages - 1})")
             return WhyReply(lg.why(request.page))
-        # An operator asks again and again while an idle engine holds its pages: same index, same rows.
-        key = (id(lg), lg.index)
-        if self._pins_cache is None or self._pins_cache[0] != key:
-            self._pins_cache = (key, pin_rows(lg))
-        rows = self._pins_cache[1]
+        rows = self._pin_rows(lg)
         limit = request.limit if request.limit is not None and request.limit >= 0 else len(rows)
         return PinsReply(
             index=lg.index, build=lg.build, pinned_pages=lg.pinned_pages, lossy=lg.lossy,
             truncated=limit < len(rows), rows=rows[:limit],
         )
+
+
+    def _pin_rows(self, lg: Ledger) -> list[PinRow]:
+        # An operator (or a metrics scrape) asks again and again while an idle engine holds its
+        # pages: same index, same rows.
+        key = (id(lg), lg.index)
+        if self._pins_cache is None or self._pins_cache[0] != key:
+            self._pins_cache = (key, pin_rows(lg))
+        return self._pins_cache[1]
 
 
 def _client_gone(exc: BaseException) -> bool:

@@ -27,9 +27,10 @@ LEN: Final = struct.Struct(">I")
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    op: Literal["pins", "status", "why", "tail"]
+    op: Literal["pins", "status", "why", "tail", "limit", "dump"]
     page: int | None = None  # for why
     limit: int | None = None  # for pins: at most this many rows
+    size: int | None = None  # for limit: the memory limit in bytes; negative: no limit
 
 
 class PinRow(msgspec.Struct, frozen=True, array_like=True):
@@ -90,6 +91,58 @@ class LedgerCounts(msgspec.Struct, frozen=True, kw_only=True):
     dropped_events: int  # the sum of the gaps applied
 
 
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Which engine a service belongs to, for ``kvctl list`` and the metrics' labels."""
+
+    model: str
+    pid: int
+    api_pid: int | None  # the vllm serve API server that started this engine core
+    port: int | None  # its HTTP port, where known
+    socket: str
+    started_unix: float
+    policy: str
+    vllm: str
+    kvcached: str
+    budget: str | None = None
+
+
+class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine's pages as its allocator holds them (not the replica's lagging view)."""
+
+    page_bytes: int  # what one page costs: a page in every layer (and replica) it spans
+    num_pages: int  # the virtual capacity vLLM sized its block table for
+    mapped_pages: int
+    in_use_pages: int
+    reserved_pages: int
+    limit_pages: int
+    shrink_pending: bool
+    waiting_on: dict[str, int]  # what a pending shrink waits for -> pages
+    reason: str  # one line: within the limit, or what the shrink waits on
+    maps: int = 0
+    map_seconds: float = 0.0
+    unmaps: int = 0
+    unmap_seconds: float = 0.0
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.mapped_pages * self.page_bytes
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.limit_pages * self.page_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+
+class FlightStatus(msgspec.Struct, frozen=True, kw_only=True):
+    capacity: int  # events kept at least (once that many happened)
+    first_event: int
+    events: int
+    dumps: list[str]  # files written so far (violations, shutdown after an error)
+
+
 class StatusReply(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_field="type"):
     pid: int
     uptime_s: float
@@ -99,6 +152,23 @@ class StatusReply(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_f
     handoff: HandoffStatus
     clients: int
     dropped_clients: int
+    evicted_clients: int = 0
+    engine: EngineInfo | None = None  # None: a service that belongs to no engine (tests, tools)
+    memory: MemoryStatus | None = None
+    flight: FlightStatus | None = None
+    violations_by_invariant: dict[str, int] = {}
+    pinned_by_kind: dict[str, int] = {}  # pin kind -> pages it keeps (a page with two kinds counts twice)
+
+
+class LimitReply(msgspec.Struct, frozen=True, tag="limit", tag_field="type"):
+    memory: MemoryStatus
+
+
+class DumpReply(msgspec.Struct, frozen=True, kw_only=True, tag="dump", tag_field="type"):
+    first_event: int
+    events: int
+    journal: bytes  # a journal file (docs/trace-format.md) starting at first_event
+    snapshot: bytes | None  # the ledger before first_event (P.snap); None when it is 0
 
 
 class WhyReply(msgspec.Struct, frozen=True, tag="why", tag_field="type"):
@@ -114,7 +184,7 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
     message: str
 
 
-Reply = PinsReply | StatusReply | WhyReply | EventsReply | ErrorReply
+Reply = PinsReply | StatusReply | WhyReply | EventsReply | ErrorReply | LimitReply | DumpReply
 
 _encoder: Final = msgspec.msgpack.Encoder()
 
@@ -124,6 +194,18 @@ def frame(message: Request | Reply) -> bytes:
     return LEN.pack(len(body)) + body
 
 
+class EngineControl(Protocol):
+    """What an engine lets an operator see and change while it serves. ``memory`` and
+    ``set_limit`` may wait for the scheduler's current step (they take its lock): the live view
+    calls them from a worker thread, never on its loop."""
+
+    def info(self) -> EngineInfo: ...
+
+    def memory(self) -> MemoryStatus: ...
+
+    def set_limit(self, size: int | None) -> MemoryStatus: ...  # bytes; None: no limit
+
+
 class LiveSource(Protocol):
     """What the live view reads from the service: its replica, its counters and its batches."""
 
@@ -131,7 +213,12 @@ class LiveSource(Protocol):
     index: int  # global index of the next event the service takes
     started_unix: float
     listeners: list[Callable[[int, bytes], None]]  # (first index, encoded batch), on the loop
+    control: EngineControl | None  # None: a service with no engine to steer
 
     def journal_status(self) -> JournalStatus: ...
 
     def handoff_status(self) -> HandoffStatus: ...
+
+    def flight_status(self) -> FlightStatus | None: ...
+
+    def dump(self, reason: str) -> DumpReply | None: ...  # None: no flight recorder

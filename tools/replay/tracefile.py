@@ -216,6 +216,12 @@ def load_snapshot(path: str) -> LedgerSnapshot:
 
 def start_ledger(trace: Trace, policy: str | None, snapshot: str | None) -> tuple[Ledger, int]:
     """A ledger for ``trace`` and how many of its events are already in it (from a snapshot)."""
+    if snapshot is None and trace.first_event:
+        # A journal that starts mid-run (a service started from a snapshot, a flight-recorder
+        # dump) carries its start as P.snap: use it, as the service's own resume does.
+        snap_name = snapshot_path(trace.journal.base)
+        if os.path.exists(snap_name) and read_snapshot(snap_name).index >= trace.first_event:
+            snapshot = snap_name
     if snapshot is None:
         if trace.first_event:
             snap_name = snapshot_path(trace.journal.base)

@@ -1,0 +1,199 @@
+"""Steering a served engine while it runs: its memory limit, its memory report, one lock.
+
+``kvctl limit`` and ``kvctl status`` reach the engine core through the ledger service's live
+socket, whose loop runs in its own thread; kvcached's allocator, manager and page-aware pool
+are the scheduler's and are not thread-safe. So every scheduler method that can touch them
+(vLLM's ``Scheduler.schedule``, ``update_from_output``, ``finish_requests``,
+``reset_prefix_cache`` and the few others in ``LOCKED``) runs under one reentrant lock per
+engine, and a limit or a memory report takes the same lock: it is applied between two
+scheduler calls, never inside one, and an idle engine (whose busy loop waits for requests and
+calls nothing) is steered at once. The lock costs an uncontended acquire and release per call,
+about 0.1 us, against a scheduler step of milliseconds; the model's forward pass runs outside
+it, so a limit never waits for a step's GPU work.
+
+A failure inside a locked call asks the ledger service to save its flight recorder before the
+exception goes on to vLLM, which stops the engine core: the events that led to the error are
+on disk when the process dies.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from ..errors import ConfigError
+from ..service.messages import EngineInfo, MemoryStatus
+
+log = logging.getLogger("vllm.kvcached")
+
+# The scheduler's methods that read or change KV state (vLLM v1, 0.32 and 0.33:
+# vllm/v1/core/sched/scheduler.py; AsyncScheduler overrides some of them).
+LOCKED: Final = (
+    "schedule",
+    "update_from_output",
+    "finish_requests",
+    "add_request",
+    "reset_prefix_cache",
+    "reset_connector_cache",
+    "set_pause_state",
+    "update_draft_token_ids",
+    "make_stats",
+    "get_kv_cache_usage",
+)
+
+
+def lock_scheduler_methods(cls: type, state_attr: str) -> None:
+    """Wraps ``cls``'s own methods in ``LOCKED`` to run under ``getattr(self, state_attr).lock``
+    (instances without that state, such as vLLM's schedulers in a process without kvcached's
+    engine, run as shipped)."""
+    for name in LOCKED:
+        original = cls.__dict__.get(name)
+        if original is None or getattr(original, "_kvcached_locked", False):
+            continue
+
+        def make(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+                state = self.__dict__.get(state_attr)
+                if state is None:
+                    return fn(self, *args, **kwargs)
+                with state.lock:
+                    try:
+                        return fn(self, *args, **kwargs)
+                    except Exception as exc:
+                        state.failed(name, exc)
+                        raise
+
+            locked._kvcached_locked = True  # type: ignore[attr-defined]
+            return locked
+
+        setattr(cls, name, make(original, name))
+
+
+class MapTimer:
+    """Counts and times a backend's maps and unmaps (for ``/metrics``) by wrapping the bound
+    methods of one backend instance; the manager keeps calling them as before."""
+
+    def __init__(self, backend: Any) -> None:
+        self.maps = self.unmaps = 0
+        self.map_seconds = self.unmap_seconds = 0.0
+        map_page, unmap_page = backend.map_page, backend.unmap_page
+        clock = time.perf_counter
+
+        def timed_map(slot: int) -> None:
+            t = clock()
+            map_page(slot)
+            self.map_seconds += clock() - t
+            self.maps += 1
+
+        def timed_unmap(slot: int) -> None:
+            t = clock()
+            unmap_page(slot)
+            self.unmap_seconds += clock() - t
+            self.unmaps += 1
+
+        try:
+            backend.map_page, backend.unmap_page = timed_map, timed_unmap
+        except AttributeError:  # a backend with slots: no timings, nothing else lost
+            log.debug("kvcached: %s cannot be timed", type(backend).__name__)
+
+
+class ServedEngine:
+    """The ``EngineControl`` of one engine core (``service.messages``): its identity, its memory
+    and its limit, each under the engine's lock."""
+
+    def __init__(self, engine: Any, info: EngineInfo, page_cost: int, timer: MapTimer | None) -> None:
+        self.engine = engine
+        self.lock = threading.RLock()
+        self._info = info
+        self.page_cost = page_cost  # bytes one page costs: one page in every region of every backend
+        self._timer = timer
+        self._failed = False
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def memory(self) -> MemoryStatus:
+        with self.lock:
+            return self._status()
+
+    def set_limit(self, size: int | None) -> MemoryStatus:
+        """Sets the memory limit to ``size`` bytes, rounded down to whole pages (None: no limit),
+        and shrinks as far as pins allow now; the rest follows as they are released."""
+        if size is not None and size < 0:
+            raise ConfigError(f"a memory limit of {size} bytes: use a size of 0 or more, or none")
+        with self.lock:
+            manager = self.engine.manager
+            if manager is None:
+                raise ConfigError("this engine runs vLLM's own block pool: kvcached holds no memory to limit")
+            setter = getattr(self.engine, "set_limit_bytes", None)
+            if setter is not None:
+                setter(size)
+            else:
+                pages = manager.allocator.num_pages if size is None else size // self.page_cost
+                manager.set_limit_pages(pages)
+            return self._status()
+
+    def _status(self) -> MemoryStatus:
+        manager = self.engine.manager
+        t = self._timer
+        timings: dict[str, Any] = {}
+        if t is not None:
+            timings = dict(maps=t.maps, map_seconds=t.map_seconds, unmaps=t.unmaps, unmap_seconds=t.unmap_seconds)
+        if manager is None:
+            return MemoryStatus(
+                page_bytes=self.page_cost, num_pages=0, mapped_pages=0, in_use_pages=0, reserved_pages=0,
+                limit_pages=0, shrink_pending=False, waiting_on={}, reason="vLLM's own block pool", **timings,
+            )
+        st = manager.state()
+        return MemoryStatus(
+            page_bytes=self.page_cost, num_pages=manager.allocator.num_pages, mapped_pages=st.mapped,
+            in_use_pages=st.in_use, reserved_pages=st.reserved, limit_pages=st.limit,
+            shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason, **timings,
+        )
+
+    def failed(self, where: str, exc: BaseException) -> None:
+        """A scheduler call raised: save the flight recorder once (the engine core stops next)."""
+        if self._failed:
+            return
+        self._failed = True
+        service = getattr(self.engine, "service", None)
+        if service is None:
+            return
+        path = service.service.request_dump(f"engine error in {where}: {type(exc).__name__}")
+        if path is not None:
+            log.error("[kvcached] the scheduler failed in %s; the flight recorder is saved to %s", where, path)
+
+
+def engine_info(
+    scheduler: Any, *, socket: str, policy: str, versions: dict[str, str], budget: str | None
+) -> EngineInfo:
+    """Who this engine core is, for ``kvctl list`` and the metrics' labels."""
+    model = "?"
+    with_model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    if with_model is not None:
+        model = str(getattr(with_model, "served_model_name", None) or getattr(with_model, "model", "?"))
+    port = os.environ.get("KVCACHED_SERVE_PORT")
+    api = os.environ.get("KVCACHED_SERVE_PID")
+    return EngineInfo(
+        model=model, pid=os.getpid(), api_pid=int(api) if api and api.isdigit() else None,
+        port=int(port) if port and port.isdigit() else None, socket=socket, started_unix=time.time(),
+        policy=policy, vllm=versions.get("vllm", "?"), kvcached=versions.get("kvcached", "?"), budget=budget,
+    )
+
+
+def serve_port(argv: list[str]) -> int | None:
+    """The HTTP port of a ``vllm serve`` (or ``-m vllm.entrypoints.openai.api_server``) command
+    line: ``--port N``/``--port=N``, else vLLM's default 8000; None for any other program."""
+    serving = any(a == "serve" or a.endswith("api_server") or a.endswith("api_server.py") for a in argv[:4])
+    for i, a in enumerate(argv):
+        if a == "--port" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            return int(argv[i + 1])
+        if a.startswith("--port=") and a[7:].isdigit():
+            return int(a[7:])
+    return 8000 if serving else None

@@ -1,0 +1,241 @@
+"""Operating an engine without vLLM: the flight recorder, kvctl list / limit / dump, one-line errors.
+
+The served end to end (a real ``vllm serve``) is tests/serve/test_operate_e2e.py; here the ledger
+service runs as in an engine core, fed the golden traces' events, with a real KVCacheManager on
+the host backend behind ``kvctl limit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvcached.backends.host import HostBackend
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
+from kvcached.ledger.events import BuildBoundary, Header, Policy
+from kvcached.ledger.segments import RotatedJournal
+from kvcached.serve.control import ServedEngine, serve_port
+from kvcached.service import kvctl, messages
+from kvcached.service.flight import FlightRecorder
+from kvcached.service.ledger_service import BackgroundService, ServiceConfig
+from kvcached.settings import parse_size
+from kvreplay.cli import main as kvreplay
+
+ROOT = Path(__file__).resolve().parent.parent
+LEGACY = sorted((ROOT / "traces").glob("*.legacy.kvj"))
+
+
+def events_of(path: Path) -> tuple[Header, list]:  # type: ignore[type-arg]
+    j = RotatedJournal(path)
+    return j.header, list(j.events())
+
+
+def replay(capsys: pytest.CaptureFixture[str], path: str) -> dict:  # type: ignore[type-arg]
+    capsys.readouterr()
+    code = kvreplay(["check", path, "--json"])
+    out, err = capsys.readouterr()
+    assert code in (0, 1), err
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+# --- the flight recorder ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trace", LEGACY, ids=lambda p: p.name.split(".")[0])
+def test_first_violation_saves_a_dump_that_replays_to_the_same_violation(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    header, events = events_of(trace)
+    want = json.loads(trace.with_suffix(".check.json").read_text())["violations"]
+    assert want, "a legacy golden trace shows a violation"
+    cfg = ServiceConfig(flight_events=16, dump_dir=str(tmp_path / "dumps"), batch_events=4)
+    with BackgroundService.start(header, cfg) as bg:
+        for ev in events:
+            bg.producer.put(ev)
+    dumps = bg.service.dumps
+    firsts = {v["invariant"] for v in want}
+    assert len(dumps) == len(firsts)  # one per invariant violated, not one per violation
+    assert any(f"kvreplay check {dumps[0]}" in r.getMessage() for r in caplog.records)
+    got = replay(capsys, dumps[0])
+    first = want[0]
+    same = [v for v in got["violations"] if (v["invariant"], v["code"], v["index"]) ==
+            (first["invariant"], first["code"], first["index"])]
+    assert same and same[0]["page"] == first["page"], (got["violations"][:1], first)
+
+
+def test_a_dump_from_mid_run_starts_from_its_snapshot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = ROOT / "traces" / "preempt-shrink.ledger.kvj"
+    header, events = events_of(trace)
+    whole = replay(capsys, str(trace))
+    cfg = ServiceConfig(flight_events=40, batch_events=8)
+    with BackgroundService.start(header, cfg) as bg:
+        for ev in events:
+            bg.producer.put(ev)
+    flight = bg.service.flight
+    assert flight is not None and 40 <= flight.events <= 80 + 8 and flight.first_event > 0
+    d = bg.service.dump("test")
+    assert d is not None and d.snapshot is not None
+    out = tmp_path / "mid.kvj"
+    from kvcached.service.flight import Dump, write_dump
+
+    write_dump(Dump(first_event=d.first_event, events=d.events, journal=d.journal, snapshot=d.snapshot), str(out))
+    got = replay(capsys, str(out))
+    # The same end state as a replay of the whole trace, from only the last events and a snapshot.
+    assert got["summary"]["mapped_pages"] == whole["summary"]["mapped_pages"]
+    assert got["summary"]["events"] == whole["summary"]["events"] and got["clean"]
+
+
+def test_the_ring_keeps_between_one_and_two_capacities() -> None:
+    header, events = events_of(ROOT / "traces" / "preempt-shrink.ledger.kvj")
+    from kvcached.ledger.ledger import Ledger
+
+    lg = Ledger(header)
+    ring = FlightRecorder(header, 10)
+    for i, ev in enumerate(events):
+        lg.apply(ev)
+        ring.add(i, 1, msgspec.msgpack.encode([ev]), lg.snapshot)
+        if i >= 10:
+            assert 10 <= ring.events <= 20, (i, ring.events)
+
+
+# --- kvctl against a service with an engine behind it ----------------------------------------------
+
+PAGE = 64 << 10
+
+
+@pytest.fixture
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, KVCacheManager]]:
+    """A ledger service on a socket in a private runtime directory, over a real manager."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("KVCACHED_LEDGER_SOCKET", raising=False)
+    geo = KVGeometry(num_blocks=64, block_bytes=PAGE // 4, page_bytes=PAGE)
+    manager = KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE), policy=Policy.LEDGER)
+    folder = tmp_path / "kvcached"
+    sock = str(folder / f"ledger-{os.getpid()}.sock")
+    bg = BackgroundService.start(manager.recorder.ledger.header, ServiceConfig(socket=sock, flight_events=64))
+    manager.recorder.sink = bg.producer
+
+    class Engine:
+        pass
+
+    eng = Engine()
+    eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]
+    info = messages.EngineInfo(model="tiny-llama", pid=os.getpid(), api_pid=None, port=8123, socket=sock,
+                               started_unix=0.0, policy="ledger", vllm="-", kvcached="-")
+    bg.service.control = ServedEngine(eng, info, PAGE, None)
+    try:
+        yield sock, manager
+    finally:
+        bg.close()
+
+
+def kv(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = kvctl.main(list(argv))
+    except SystemExit as e:  # argparse's usage errors
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list_status_and_limit_honour_blocks_in_use(
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock, manager = engine
+    code, out, _ = kv(capsys, "list")
+    assert code == 0 and "tiny-llama" in out and "8123" in out and sock in out
+    held = manager.alloc(4 * 6)  # six pages in use
+    code, out, _ = kv(capsys, "limit", "tiny-llama", "256K")  # four pages
+    assert code == 0 and "shrinking" in out and "in use" in out
+    code, out, _ = kv(capsys, "status", "--json")
+    st = json.loads(out)
+    assert st["memory"]["limit_bytes"] == 4 * PAGE and st["memory"]["shrink_pending"]
+    assert st["memory"]["mapped_bytes"] == manager.state().mapped * PAGE
+    manager.free(held)
+    manager.drain_releasable()
+    code, out, _ = kv(capsys, "status")
+    assert "grace" in out  # under ledger, freed pages wait for the next build: status says so
+    manager.recorder.emit(BuildBoundary(manager.recorder.ledger.build + 1))
+    manager.drain_releasable()
+    code, out, _ = kv(capsys, "-e", str(os.getpid()), "status", "--json")
+    mem = json.loads(out)["memory"]
+    assert not mem["shrink_pending"] and mem["mapped_pages"] <= 4, mem
+    code, out, _ = kv(capsys, "limit-percent", "100", "--json")
+    assert code == 0 and json.loads(out)["limit_pages"] == manager.allocator.num_pages
+    code, out, _ = kv(capsys, "limit", "none", "--json")
+    assert code == 0 and json.loads(out)["limit_pages"] == manager.allocator.num_pages
+
+
+def test_dump_over_the_socket_replays(
+    engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, manager = engine
+    blocks = manager.alloc(10)
+    manager.free(blocks)
+    manager.drain_releasable()
+    out_file = tmp_path / "d.kvj"
+    import time
+
+    time.sleep(0.1)  # the service takes the events within its flush interval
+    code, out, err = kv(capsys, "dump", "-o", str(out_file))
+    assert code == 0, err
+    assert f"kvreplay check {out_file}" in out
+    got = replay(capsys, str(out_file))
+    assert got["clean"] and got["summary"]["events"] == manager.recorder.ledger.index
+
+
+def test_a_dead_socket_is_not_listed_as_alive(
+    engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dead = str(tmp_path / "kvcached" / "ledger-999999.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(dead)  # bound, never listening: what SIGKILL leaves
+    code, out, _ = kv(capsys, "list", "--json")
+    rows = json.loads(out)
+    assert [r["alive"] for r in rows] == [True]
+    code, out, _ = kv(capsys, "list", "--all", "--json")
+    assert sorted(r["alive"] for r in json.loads(out)) == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["limit", "12x"], "not a size"),
+        (["limit", "a", "b", "c"], "one value"),
+        (["limit-percent", "150"], "0 to 100"),
+        (["kvtop"], "kvctl watch"),
+        (["-e", "no-such-model", "status"], "no running kvcached engine"),
+        (["why", "100000"], "not a page"),
+    ],
+)
+def test_errors_are_one_line(
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = kv(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_help_on_every_subcommand_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("list", "status", "pins", "why", "tail", "limit", "limit-percent", "dump", "watch"):
+        with pytest.raises(SystemExit) as e:
+            kvctl.main([name, "--help"])
+        assert e.value.code == 0
+        assert capsys.readouterr().out.strip()
+    with pytest.raises(SystemExit):
+        kvctl.main(["--version"])
+    assert "kvcached" in capsys.readouterr().out
+
+
+def test_sizes_and_ports() -> None:
+    assert parse_size("512M") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("1.5GiB") == 3 << 29
+    assert serve_port(["vllm", "serve", "m", "--port", "9000"]) == 9000
+    assert serve_port(["vllm", "serve", "m"]) == 8000
+    assert serve_port(["/x/api_server.py", "--port=8555"]) == 8555
+    assert serve_port(["pytest", "-q"]) is None
