@@ -197,10 +197,10 @@ def test_a_dead_socket_is_not_listed_as_alive(
     dead = str(tmp_path / "kvcached" / "ledger-999999.sock")
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(dead)  # bound, never listening: what SIGKILL leaves
-    code, out, _ = kv(capsys, "list", "--json")
+    _, out, _ = kv(capsys, "list", "--json")
     rows = json.loads(out)
     assert [r["alive"] for r in rows] == [True]
-    code, out, _ = kv(capsys, "list", "--all", "--json")
+    _code, out, _ = kv(capsys, "list", "--all", "--json")
     assert sorted(r["alive"] for r in json.loads(out)) == [False, True]
 
 
@@ -218,7 +218,7 @@ def test_a_dead_socket_is_not_listed_as_alive(
 def test_errors_are_one_line(
     engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    code, out, err = kv(capsys, *argv)
+    code, _out, err = kv(capsys, *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
