@@ -239,3 +239,37 @@ def test_sizes_and_ports() -> None:
     assert serve_port(["vllm", "serve", "m"]) == 8000
     assert serve_port(["/x/api_server.py", "--port=8555"]) == 8555
     assert serve_port(["pytest", "-q"]) is None
+
+
+def test_a_failing_scheduler_call_saves_the_flight_recorder_before_it_raises(tmp_path: Path) -> None:
+    from kvcached.serve.control import lock_scheduler_methods
+
+    header, events = events_of(ROOT / "traces" / "preempt-shrink.ledger.kvj")
+    bg = BackgroundService.start(header, ServiceConfig(flight_events=64, dump_dir=str(tmp_path)))
+
+    class Engine:
+        service = bg
+        manager = None
+
+    info = messages.EngineInfo(model="m", pid=os.getpid(), api_pid=None, port=None, socket="-", started_unix=0.0,
+                               policy="ledger", vllm="-", kvcached="-")
+    served = ServedEngine(Engine(), info, PAGE, None)
+
+    class Scheduler:  # the shape of vLLM's: the plugin wraps the real class the same way
+        def __init__(self) -> None:
+            self._kvcached = served
+
+        def schedule(self) -> None:
+            for ev in events:
+                bg.producer.put(ev)
+            raise RuntimeError("a bug in a scheduler step")
+
+    lock_scheduler_methods(Scheduler, "_kvcached")
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):
+            Scheduler().schedule()
+        (dump,) = bg.service.dumps
+        assert "error" in dump and RotatedJournal(dump).header.meta["flight_recorder"].startswith("engine error")
+        assert sum(1 for _ in RotatedJournal(dump).events()) == len(events)  # every event before the error
+    finally:
+        bg.close()
