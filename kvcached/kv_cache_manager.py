@@ -26,7 +26,7 @@ from .errors import BackendError, ConfigError, KvcachedError
 from .ledger.events import BlockAlloc, BlockFree, Header, Policy, PoolGeometry
 from .ledger.ledger import Ledger
 from .ledger.recorder import Recorder
-from .page_allocator import AllocatorState, OutOfPagesError, PageAllocator, PageMapper
+from .page_allocator import AllocatorState, OutOfPagesError, PageAllocator, PageBudget, PageMapper
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +127,7 @@ class KVCacheManager:
         max_reserved: int = 0,
         limit_pages: int | None = None,
         replicas: Sequence[Backend] = (),
+        budget: PageBudget | None = None,
     ) -> None:
         header = recorder.ledger.header
         described = pool < len(header.pools) and header.pools[pool] == geometry.pool()
@@ -157,6 +158,8 @@ class KVCacheManager:
             min_reserved=min_reserved,
             max_reserved=max_reserved,
             limit=limit_pages,
+            page_cost=geometry.page_bytes * geometry.regions * (1 + len(self.replicas)),
+            budget=budget,
         )
         self._allocated = bytearray(geometry.num_blocks)
         self._used = [0] * geometry.num_pages  # allocated blocks per page
@@ -192,6 +195,15 @@ class KVCacheManager:
 
     def page_of(self, block: int) -> int:
         return block // self._bpp
+
+    @property
+    def page_cost(self) -> int:
+        """Bytes one logical page costs: a page in every layer's region of every replica."""
+        return self.allocator.page_cost
+
+    def allocated_on(self, page: int) -> int:
+        """How many blocks of ``page`` are allocated (handed out or taken, not freed)."""
+        return self._used[page]
 
     def _blocks_of(self, page: int) -> range:
         return range(page * self._bpp, min((page + 1) * self._bpp, self.geometry.num_blocks))

@@ -19,7 +19,16 @@ free has emptied pages, and when the limit changes. It is never called from insi
 A memory limit lowered below what is mapped starts a *shrink*: no page is mapped, reserved
 pages go as soon as the ledger lets them, pages in use when their blocks are freed. Reserved
 pages that pins keep mapped stay in service meanwhile (refusing them can deadlock, see
-``pages_available``). ``state()`` says what a pending shrink waits for.
+``pages_available``). ``state()`` says what a pending shrink waits for, in pages and in bytes
+(``page_cost``: what one logical page costs in every layer, region and replica).
+
+A shared budget (``kvcached.budget``), when given, bounds mapping as the limit does: a page is
+mapped only if the budget grants its bytes, which go back on unmap, and the pages it cannot
+grant are not counted available, so vLLM sees fewer free blocks rather than a failed
+allocation. The count and the map are two moments: another engine may take the bytes between
+them (the count is read at most ``HEADROOM_MAX_AGE`` before), and a page the count promised is
+then mapped as an overdraft (``overdrafts`` counts them) rather than failing vLLM's scheduler
+mid-step; the budget stays over its size by that page until pages are given back.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import msgspec
 from .errors import BackendError, KvcachedError
 from .ledger.events import MemoryLimit, PageMapped, PageUnmapped
 from .ledger.recorder import Recorder
+from .settings import format_size as format_bytes
 
 _NONE: frozenset[int] = frozenset()
 
@@ -44,7 +54,10 @@ class OutOfPagesError(KvcachedError):
 
 
 class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
-    """What the allocator holds, and, during a shrink, what the shrink waits for."""
+    """What the allocator holds, and, during a shrink, what the shrink waits for.
+
+    Counts are logical pages; the ``*_bytes`` fields are the same counts times ``page_bytes``,
+    what one logical page costs in every layer, region and replica (0 where unknown)."""
 
     limit: int
     mapped: int
@@ -54,10 +67,31 @@ class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
     shrink_pending: bool
     waiting_on: dict[str, int]  # reason -> pages; empty unless a shrink is pending
     reason: str
+    page_bytes: int = 0
+    limit_bytes: int = 0
+    mapped_bytes: int = 0
+    in_use_bytes: int = 0
+    reserved_bytes: int = 0
 
     def describe(self) -> str:
-        head = f"{self.mapped} mapped ({self.in_use} in use, {self.reserved} reserved), limit {self.limit}"
+        def sized(pages: int, nbytes: int) -> str:
+            return f"{pages} = {format_bytes(nbytes)}" if self.page_bytes else str(pages)
+
+        head = (
+            f"{sized(self.mapped, self.mapped_bytes)} mapped ({self.in_use} in use, {self.reserved} reserved), "
+            f"limit {sized(self.limit, self.limit_bytes)}"
+        )
         return f"{head}; {self.reason}"
+
+
+class PageBudget(Protocol):
+    """What the allocator needs of a shared budget (``kvcached.budget.Budget``)."""
+
+    name: str
+
+    def try_acquire(self, nbytes: int, *, force: bool = False) -> bool: ...
+    def release(self, nbytes: int) -> None: ...
+    def headroom(self) -> int | None: ...
 
 
 class PageMapper(Protocol):
@@ -81,6 +115,8 @@ class PageAllocator:
         min_reserved: int = 0,
         max_reserved: int = 0,
         limit: int | None = None,
+        page_cost: int = 0,
+        budget: PageBudget | None = None,
     ) -> None:
         if min_reserved > max_reserved:
             raise KvcachedError(
@@ -94,6 +130,11 @@ class PageAllocator:
         self.min_reserved = min_reserved
         self.max_reserved = max_reserved
         self.limit = self.num_pages if limit is None else limit
+        if budget is not None and page_cost <= 0:
+            raise KvcachedError("a page allocator under a budget needs the bytes a page costs (page_cost)")
+        self.page_cost = page_cost
+        self.budget = budget
+        self.overdrafts = 0  # pages mapped beyond the budget (see the module docstring)
         self._free = list(range(self.num_pages))  # heap: low pages first, so the range stays dense
         self._reserved: set[int] = set()
         self._in_use: set[int] = set()
@@ -107,6 +148,10 @@ class PageAllocator:
         return len(self._reserved) + len(self._in_use)
 
     @property
+    def in_use(self) -> int:
+        return len(self._in_use)
+
+    @property
     def shrinking(self) -> bool:
         return self.mapped > self.limit
 
@@ -118,7 +163,14 @@ class PageAllocator:
             # deadlock: the pins may belong to a request that only lets go once it runs again
             # (review comment P2 on kvcached PR #598: window holds of a preempted request).
             return len(self._reserved) - len(self._goable)
-        return len(self._reserved) + min(len(self._free), self.limit - self.mapped)
+        return len(self._reserved) + min(len(self._free), self.limit - self.mapped, self._budget_pages())
+
+    def _budget_pages(self) -> int:
+        """Pages the budget can still grant (every page without a budget)."""
+        if self.budget is None:
+            return self.num_pages
+        room = self.budget.headroom()
+        return self.num_pages if room is None else room // self.page_cost
 
     def hands_out(self, page: int) -> bool:
         """Whether ``page`` is one of the ``pages_available()`` pages that ``alloc_page`` would
@@ -131,7 +183,8 @@ class PageAllocator:
             return True
         # A free page (neither reserved nor in use) is mapped lowest first: the highest one is
         # among those available only when every free page is.
-        return page not in self._in_use and self.limit - self.mapped >= len(self._free)
+        n = len(self._free)
+        return page not in self._in_use and self.limit - self.mapped >= n and self._budget_pages() >= n
 
     # --- handing pages out and taking them back -----------------------------------------------
 
@@ -189,13 +242,21 @@ class PageAllocator:
                 self._goable.add(page)
             self._trim()
 
-    def _map_new(self, page: int | None = None) -> int:
-        """Map the lowest free page, or ``page`` (a free one)."""
+    def _map_new(self, page: int | None = None, *, demanded: bool = True) -> int:
+        """Map the lowest free page, or ``page`` (a free one). ``demanded``: for blocks vLLM was
+        told it could have (an overdraft if the budget cannot grant it), else for the reserve
+        (``OutOfPagesError`` if the budget cannot)."""
         if not self._free or self.mapped >= self.limit:
             raise OutOfPagesError(
                 f"no page to map: {self.mapped} of {self.num_pages} mapped, limit {self.limit} "
                 "(raise the limit or KVCACHED_MAX_CACHED_TOKENS, or free blocks)"
             )
+        budget = self.budget
+        if budget is not None and not budget.try_acquire(self.page_cost):
+            if not demanded:
+                raise OutOfPagesError(f"budget {budget.name} cannot grant a page of {format_bytes(self.page_cost)}")
+            budget.try_acquire(self.page_cost, force=True)
+            self.overdrafts += 1
         if page is None:
             page = heapq.heappop(self._free)
         else:  # rare (take_page): O(pages) is fine
@@ -205,6 +266,8 @@ class PageAllocator:
             self.backend.map_page(page)
         except BackendError:
             heapq.heappush(self._free, page)  # the backend rolled its side back; so do we
+            if budget is not None:
+                budget.release(self.page_cost)
             raise
         self.recorder.emit(PageMapped(self.base + page))
         return page
@@ -215,8 +278,8 @@ class PageAllocator:
         Whether a page mapped here may go again is the ledger's to say, at the next drain."""
         while len(self._reserved) < self.min_reserved and self._free and self.mapped < self.limit:
             try:
-                page = self._map_new()
-            except BackendError:
+                page = self._map_new(demanded=False)
+            except (BackendError, OutOfPagesError):
                 return  # a reserve is an optimisation; the next alloc will report the failure
             self._reserved.add(page)
 
@@ -254,6 +317,8 @@ class PageAllocator:
                 continue  # still mapped and reserved; a later trim tries again
             self._reserved.discard(page)
             heapq.heappush(self._free, page)
+            if self.budget is not None:
+                self.budget.release(self.page_cost)
             self.recorder.emit(PageUnmapped(self.base + page))
 
     def set_limit(self, pages: int) -> AllocatorState:
@@ -280,6 +345,12 @@ class PageAllocator:
             reason = f"shrink pending: {over} page(s) over the limit; waiting on {detail}"
         else:
             reason = "within the limit"
+            budget = self.budget
+            if budget is not None and self.mapped < self.limit and self._free:
+                room = budget.headroom()
+                if room is not None and room < self.page_cost:
+                    reason += f"; budget {budget.name} full ({format_bytes(room)} left)"
+        cost = self.page_cost
         return AllocatorState(
             limit=self.limit,
             mapped=self.mapped,
@@ -289,4 +360,9 @@ class PageAllocator:
             shrink_pending=self.shrinking,
             waiting_on=dict(waiting),
             reason=reason,
+            page_bytes=cost,
+            limit_bytes=self.limit * cost,
+            mapped_bytes=self.mapped * cost,
+            in_use_bytes=len(self._in_use) * cost,
+            reserved_bytes=len(self._reserved) * cost,
         )

@@ -23,7 +23,14 @@ wraps the scheduler's live ``BlockPool`` instance (vLLM's classes stay untouched
   it moves and raises ``PoolAgreementError`` before either side changes, rather than letting a
   block be handed out twice later;
 * ``get_num_free_blocks`` counts what can really be handed out: the manager's available
-  blocks plus the evictable cached ones (so a lowered memory limit is seen by the scheduler).
+  blocks plus the evictable cached ones (so a lowered memory limit is seen by the scheduler);
+* a shrink (a memory limit below what is mapped) evicts cached blocks so that whole pages
+  empty (``shrink``): pages none of whose blocks vLLM uses, the least recently used first, so
+  that an idle engine with a full prefix cache reaches its limit (it never did: the cache kept
+  every page in use). vLLM's LRU order over blocks would evict a block of every page and
+  empty none; ``eviction="lru"`` keeps that order, for ``benchmarks/bench_pages.py`` to compare.
+  It runs when the limit is set and, while the shrink is pending, whenever blocks join the
+  cache (a request that finishes), and evicts through vLLM's ``evict_blocks``, as the cache cap.
 
 The pool records no event of its own: the manager records the blocks it hands out and takes
 back, and the bridge records the prefix-cache reset (it wraps vLLM's reset underneath this
@@ -52,10 +59,16 @@ class PoolAgreementError(KvcachedError):
 class PageAwarePool:
     """The wrapper's state: which blocks kvcached holds, and the evictable (cached) ones."""
 
-    def __init__(self, pool: Any, manager: KVCacheManager, *, max_cached_blocks: int | None = None) -> None:
+    def __init__(
+        self, pool: Any, manager: KVCacheManager, *, max_cached_blocks: int | None = None, eviction: str = "page"
+    ) -> None:
+        if eviction not in EVICTION:
+            raise ConfigError(f"eviction must be one of {', '.join(EVICTION)}, got {eviction!r}")
         self.pool = pool
         self.manager = manager
         self.max_cached_blocks = max_cached_blocks
+        self.eviction = eviction
+        self.shrink_evictions = 0  # cached blocks evicted for a shrink (a counter for benchmarks)
         # Held blocks with ref_cnt 0 that vLLM may evict, oldest first (vLLM's LRU order).
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self._orig: dict[str, Callable[..., Any]] = {}
@@ -125,6 +138,8 @@ class PageAwarePool:
                 to_manager[block.block_id] = None
         self.manager.free(list(to_manager))
         self._cap_cache()
+        if self.manager.allocator.shrinking:
+            self.shrink()
 
     def touch(self, blocks: Sequence[Any]) -> None:
         # vLLM's touch takes every unused block out of its free queue: a cached one (a prefix
@@ -164,6 +179,8 @@ class PageAwarePool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.evictable[block.block_id] = None  # readable until reused: keep its page
+        if self.manager.allocator.shrinking:
+            self.shrink()
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self._orig["evict_blocks"](block_ids)
@@ -218,6 +235,66 @@ class PageAwarePool:
                 out.append(f"block {b}: ref_cnt {block.ref_cnt}, evictable {cached}, kvcached's manager {held} it")
         return out
 
+    def shrink(self) -> int:
+        """While a shrink is pending, evict cached blocks until the pages in use fit the limit,
+        whole pages at a time; returns how many blocks were evicted.
+
+        A page can only be given back once no block of it is held, so the victims are pages on
+        which vLLM uses no block (the fewest live blocks, zero, first), oldest first by the most
+        recent use of any of their cached blocks (vLLM's LRU order, ``evictable``). Evicting a
+        cached block on a page vLLM still uses would cost a prefix hit and free no memory: such
+        pages go once their requests end (their blocks join the cache, and this runs again).
+        The emptied pages go back as the ledger lets them (a pin keeps a page mapped: grace for
+        one build, a job's pages until it is reported; kvcached PR #598 and its review P2)."""
+        alloc = self.manager.allocator
+        over = alloc.in_use - alloc.limit  # pages in use beyond the limit must empty
+        if over <= 0 or not self.evictable:
+            return 0
+        victims = self._lru_victims(over) if self.eviction == "lru" else self._page_victims(over)
+        self._evict(victims)
+        self.shrink_evictions += len(victims)
+        return len(victims)
+
+    def _page_victims(self, pages: int) -> list[int]:
+        page_of, held = self.manager.page_of, self.manager.allocated_on
+        cached: dict[int, list[int]] = {}  # page -> its evictable blocks, oldest first
+        age: dict[int, int] = {}  # page -> LRU rank of its most recently used cached block
+        for rank, b in enumerate(self.evictable):
+            p = page_of(b)
+            cached.setdefault(p, []).append(b)
+            age[p] = rank
+        # Live blocks = held by the manager but not evictable: vLLM uses them (or it is the null block).
+        whole = sorted((p for p, bs in cached.items() if held(p) == len(bs)), key=age.__getitem__)
+        return [b for p in whole[:pages] for b in cached[p]]
+
+    def _lru_victims(self, pages: int) -> list[int]:
+        """vLLM's order: the least recently used blocks, until ``pages`` pages have emptied."""
+        page_of, held = self.manager.page_of, self.manager.allocated_on
+        left: dict[int, int] = {}
+        victims, emptied = [], 0
+        for b in self.evictable:
+            p = page_of(b)
+            n = left.setdefault(p, held(p)) - 1
+            left[p] = n
+            victims.append(b)
+            emptied += not n
+            if emptied >= pages:
+                break
+        return victims
+
+    def _evict(self, victims: list[int]) -> None:
+        """Evict cached blocks through vLLM (its hash map, events, metrics) and free them."""
+        if not victims:
+            return
+        evict = self._orig["evict_blocks"]  # vLLM's: _maybe_evict_cached_block for each
+        blocks = self.pool.blocks
+        for b in victims:
+            del self.evictable[b]
+        # Blocks released with unpin_blocks are being read until reused: tell their watchers.
+        vllm_internals.notify_reuse(self.pool, [blocks[b] for b in victims])
+        evict(set(victims))
+        self.manager.free(victims)
+
     def _cap_cache(self) -> None:
         """Upstream's KVCACHED_MAX_CACHED_TOKENS: beyond it, cached blocks give their pages back."""
         cap = self.max_cached_blocks
@@ -233,6 +310,8 @@ class PageAwarePool:
         self.manager.free(gone)
 
 
+EVICTION = ("page", "lru")
+
 WRAPPED = (
     "get_num_free_blocks",
     "get_new_blocks",
@@ -245,7 +324,7 @@ WRAPPED = (
 
 
 def install_page_aware_pool(
-    scheduler: Any, manager: KVCacheManager, *, max_cached_blocks: int | None = None
+    scheduler: Any, manager: KVCacheManager, *, max_cached_blocks: int | None = None, eviction: str = "page"
 ) -> PageAwarePool:
     """Back ``scheduler``'s block pool with ``manager``; call before the first request (and
     after ``install_bridge``, whose prefix-cache reset this pool's reset wraps)."""
@@ -262,7 +341,7 @@ def install_page_aware_pool(
     (null,) = manager.alloc(1)  # vLLM's null block: id 0, never freed
     if null != pool.null_block.block_id:
         raise ConfigError(f"kvcached gave block {null} for vLLM's null block {pool.null_block.block_id}")
-    wrapper = PageAwarePool(pool, manager, max_cached_blocks=max_cached_blocks)
+    wrapper = PageAwarePool(pool, manager, max_cached_blocks=max_cached_blocks, eviction=eviction)
     for name in WRAPPED:
         wrapper._orig[name] = getattr(pool, name)
         setattr(pool, name, getattr(wrapper, name))

@@ -10,6 +10,13 @@ between them is data: ``EngineConfig``. The order matters twice: the bridge is i
 before the page-aware pool, whose prefix-cache reset wraps the bridge's (a reset is recorded
 before the frees it causes), and the manager before the bridge, which drains it after each
 event. vLLM is only imported when a scheduler's parts are looked at, as in the bridge.
+
+``Engine`` is also the control surface of a running engine (the live service calls it with a
+lock held, so nothing else touches the scheduler meanwhile): ``set_limit_bytes`` and
+``memory`` speak bytes, where a page costs ``page_bytes`` in every layer, region and replica
+(16 MiB for 8 layers of 2 MiB), as do the reserve (``max_reserved_bytes``, ``describe_reserve``)
+and the shared budget (``budget``: ``kvcached.budget``), which the engine joins in ``assemble``
+and leaves in ``close``.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ from typing import Any
 import msgspec
 
 from ..backends.base import Backend
+from ..budget import Budget
 from ..errors import ConfigError
 from ..kv_cache_manager import KVCacheManager, KVGeometry
 from ..ledger.events import Header, Policy
 from ..ledger.journal import JournalWriter
 from ..ledger.ledger import Ledger
 from ..ledger.recorder import Recorder
+from ..page_allocator import AllocatorState
 from ..service.ledger_service import BackgroundService, ServiceConfig
+from ..settings import format_size
 from .block_pool import PageAwarePool, install_page_aware_pool
 from .bridge import Bridge, install_bridge
 
@@ -39,6 +49,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     policy: Policy = Policy.LEDGER
     min_reserved_pages: int = 0
     max_reserved_pages: int = 0
+    # KVCACHED_MAX_RESERVED_BYTES: the reserve also within these bytes (a page in every layer,
+    # region and replica each); 0: the page counts alone bound it.
+    max_reserved_bytes: int = 0
+    # KVCACHED_BUDGET, KVCACHED_BUDGET_BYTES: map only within the named budget shared by the
+    # engines of this machine (kvcached.budget); bytes 0: the size it already has.
+    budget: str | None = None
+    budget_bytes: int = 0
+    budget_dir: str | None = None  # where budgets live (None: kvcached.budget.budget_dir(); tests)
     max_cached_blocks: int | None = None  # KVCACHED_MAX_CACHED_TOKENS in blocks; None: no cap
     # False: vLLM's own block pool and no manager, the bridge's events only (a benchmark's baseline).
     page_aware: bool = True
@@ -57,6 +75,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_cached_blocks is not None and self.max_cached_blocks < 0:
             raise ConfigError(f"engine: max_cached_blocks must be >= 0, got {self.max_cached_blocks}")
+        if self.max_reserved_bytes < 0 or self.budget_bytes < 0:
+            raise ConfigError(
+                f"engine: byte bounds must be >= 0, got reserve {self.max_reserved_bytes}, budget {self.budget_bytes}"
+            )
+        if self.budget is not None and not self.page_aware:
+            raise ConfigError("engine: a budget needs the page-aware pool (page_aware=True)")
+
+    def reserve_pages(self, page_cost: int) -> tuple[int, int]:
+        """The reserve's bounds in pages, the byte bound applied (a page costs ``page_cost``)."""
+        hi = self.max_reserved_pages
+        if self.max_reserved_bytes:
+            hi = min(hi, self.max_reserved_bytes // page_cost)
+        return min(self.min_reserved_pages, hi), hi
 
 
 class Engine:
@@ -71,12 +102,14 @@ class Engine:
         pool: PageAwarePool | None,
         bridge: Bridge,
         service: BackgroundService | None,
+        budget: Budget | None = None,
     ) -> None:
         self.recorder = recorder
         self.manager = manager
         self.pool = pool
         self.bridge = bridge
         self.service = service
+        self.budget = budget
         self._closed = False
 
     @property
@@ -88,16 +121,68 @@ class Engine:
         """Whether the bridge is on an OffloadingConnector (else it records resets only)."""
         return self.bridge.connector is not None
 
+    def _paged(self) -> tuple[KVCacheManager, PageAwarePool]:
+        if self.manager is None or self.pool is None:
+            raise ConfigError("engine: no page-aware pool (vLLM's own block pool): no memory to limit")
+        return self.manager, self.pool
+
+    @property
+    def page_bytes(self) -> int:
+        """What one page costs: ``page_bytes`` of the geometry in every layer, region, replica."""
+        return self._paged()[0].page_cost
+
+    def set_limit_bytes(self, n: int | None) -> AllocatorState:
+        """Map at most ``n`` bytes (whole pages, rounded down; None: no limit) and return the
+        state. A limit below what is mapped starts a shrink: reserved pages go as the ledger
+        lets them, cached blocks are evicted by page so that pages empty (``PageAwarePool.
+        shrink``), pages with blocks in use go when their requests end. A page emptied now
+        still waits for its grace pin, which ends at the connector's next build (the bridge
+        keeps an idle engine stepping for it through ``has_pending_push_work``).
+        Not thread-safe: call it where nothing else drives the scheduler."""
+        manager, pool = self._paged()
+        if n is not None and n < 0:
+            raise ConfigError(f"engine: a memory limit must be >= 0 bytes, got {n}")
+        pages = manager.geometry.num_pages if n is None else n // manager.page_cost
+        manager.set_limit_pages(pages)
+        pool.shrink()
+        return manager.state()
+
+    def memory(self) -> AllocatorState:
+        """Pages and bytes mapped, in use, reserved, the limit; what a pending shrink waits on."""
+        return self._paged()[0].state()
+
+    def describe_reserve(self) -> str:
+        """The reserve's bounds in pages and bytes, for the active line (``reserve 5..10 pages =
+        80..160 MiB``)."""
+        if self.manager is None:
+            return "reserve: none (vLLM's own block pool)"
+        a = self.manager.allocator
+        lo, hi, cost = a.min_reserved, a.max_reserved, a.page_cost
+        return f"reserve {lo}..{hi} pages = {_size_range(lo * cost, hi * cost)}"
+
     def close(self) -> None:
-        """Flush and close the journal, then stop the service; once. Raises what they raise."""
+        """Flush and close the journal, then stop the service, then leave the budget (giving
+        back this engine's share: its pages go with the process or the backends); once.
+        Raises what they raise."""
         if self._closed:
             return
         self._closed = True
         try:
             self.recorder.close()
         finally:
-            if self.service is not None:
-                self.service.close()
+            try:
+                if self.service is not None:
+                    self.service.close()
+            finally:
+                if self.budget is not None:
+                    self.budget.close()
+
+
+def _size_range(lo: int, hi: int) -> str:
+    """``80..160 MiB``: one unit when both are at least a MiB, else each its own."""
+    if lo >= 1 << 20 and hi >= 1 << 20:
+        return f"{lo / (1 << 20):g}..{hi / (1 << 20):g} MiB"
+    return f"{format_size(lo)}..{format_size(hi)}"
 
 
 def _vllm_version() -> str:
@@ -127,9 +212,19 @@ def assemble(scheduler: Any, geometry: KVGeometry, backends: Sequence[Backend], 
     if config.page_aware and not backends:
         raise ConfigError("engine: a page-aware pool needs at least one backend")
     header = header_for(scheduler, geometry, config.policy)
+    page_cost = geometry.page_bytes * geometry.regions * max(1, len(backends))
+    lo, hi = config.reserve_pages(page_cost)
+    budget = None
+    if config.budget is not None:
+        budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
     service = None
-    if config.journal_service is not None:
-        service = BackgroundService.start(header, config.journal_service)
+    try:
+        if config.journal_service is not None:
+            service = BackgroundService.start(header, config.journal_service)
+    except BaseException:
+        if budget is not None:
+            budget.close()
+        raise
     try:
         if service is not None:
             recorder = Recorder(Ledger(header), sink=service.producer)
@@ -145,8 +240,9 @@ def assemble(scheduler: Any, geometry: KVGeometry, backends: Sequence[Backend], 
                     backends[0],
                     recorder,
                     replicas=backends[1:],
-                    min_reserved=config.min_reserved_pages,
-                    max_reserved=config.max_reserved_pages,
+                    min_reserved=lo,
+                    max_reserved=hi,
+                    budget=budget,
                 )
             bridge = install_bridge(
                 scheduler,
@@ -161,7 +257,11 @@ def assemble(scheduler: Any, geometry: KVGeometry, backends: Sequence[Backend], 
             recorder.close()
             raise
     except BaseException:
-        if service is not None:
-            service.close()
+        try:
+            if service is not None:
+                service.close()
+        finally:
+            if budget is not None:
+                budget.close()
         raise
-    return Engine(recorder, manager=manager, pool=pool, bridge=bridge, service=service)
+    return Engine(recorder, manager=manager, pool=pool, bridge=bridge, service=service, budget=budget)

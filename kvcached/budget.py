@@ -1,0 +1,338 @@
+"""One memory budget shared by the engines of one machine, without a daemon.
+
+kvcached exists so that several models share one GPU's memory: an idle engine gives its KV
+pages back and a busy one maps them. Engines that name the same budget (``KVCACHED_BUDGET``)
+map pages only within it: before mapping a page an engine's allocator asks ``try_acquire`` for
+the page's bytes (every layer, region and replica), and ``release`` gives them back on unmap.
+There is no daemon to crash or to start first: the budget is a small JSON file in a per-user
+directory (``$XDG_RUNTIME_DIR/kvcached/`` or ``/dev/shm/kvcached-<uid>/``, mode 0700, checked to
+be the user's own and not a link), changed only under ``fcntl.flock`` of a lock file beside it
+and replaced atomically (write to a temporary file, ``rename``), so a reader never sees half a
+state and an engine killed mid-update leaves the previous one. Each engine's share is keyed by
+pid, process start time (``/proc/<pid>/stat`` field 22, so a pid reused by another process is
+not taken for the engine) and a per-process tag (one process may run several engines, as the
+tests do); whoever next takes the lock drops the shares of dead processes, so an engine killed
+with SIGKILL holds nothing for long: as long as it takes a live engine to look (its next
+free-block count, at most ``HEADROOM_MAX_AGE`` later while it serves).
+
+A budget without a size bounds nothing until one is set (``KVCACHED_BUDGET_BYTES`` or
+``set_budget_size``, which ``kvctl budget NAME SIZE`` calls). Lowering the size below what is in
+use takes nothing away: engines map no more until enough is given back (by their limits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import re
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+
+from .errors import ConfigError, KvcachedError
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # as KVCACHED_BUDGET (settings.py) takes it
+HEADROOM_MAX_AGE = 0.005  # seconds a headroom read is reused: vLLM asks for free blocks per request
+_VERSION = 1
+_tags = itertools.count(1)
+
+
+class BudgetError(KvcachedError):
+    """The budget's directory or file cannot be used (another user's, a link, not a budget)."""
+
+
+class Share(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine's part of a budget, as the file keeps it."""
+
+    pid: int
+    start: int  # the process's start time in clock ticks since boot (0 where /proc is absent)
+    tag: int  # which Budget object of that process
+    bytes: int
+
+
+class BudgetFile(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = _VERSION
+    size: int | None = None  # None: no bound yet
+    shares: tuple[Share, ...] = ()
+
+    @property
+    def used(self) -> int:
+        return sum(s.bytes for s in self.shares)
+
+
+class EngineUsage(msgspec.Struct, frozen=True, kw_only=True):
+    pid: int
+    bytes: int
+    alive: bool
+
+
+class BudgetUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``usage()`` reports: the size (None: unbounded), the bytes in use, per engine."""
+
+    name: str
+    size: int | None
+    used: int
+    engines: tuple[EngineUsage, ...]
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.size is None else max(0, self.size - self.used)
+
+
+def budget_dir() -> str:
+    """The per-user directory of budgets (made if need be)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "kvcached")
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"kvcached-{os.getuid()}")
+
+
+def _own_dir(path: str) -> None:
+    """Make ``path`` (0700) or accept it only if it is this user's own directory, not a link."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise BudgetError(
+            f"budget directory {path} is not a directory of this user with mode 0700; remove it or set XDG_RUNTIME_DIR"
+        )
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot); None if no such process; 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return 0
+    # comm (field 2) may hold spaces and parentheses: fields after the last ')' are plain.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22 of the whole line
+
+
+def _alive(share: Share) -> bool:
+    start = _start_time(share.pid)
+    if start is None:
+        return False
+    if share.start and start:
+        return start == share.start
+    try:  # no /proc here: the pid alone says it
+        os.kill(share.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_name(name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise ConfigError(f"budget name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
+
+
+class _Files:
+    """The lock file and the state file of one budget."""
+
+    def __init__(self, name: str, directory: str | None) -> None:
+        _check_name(name)
+        d = directory or budget_dir()
+        _own_dir(d)
+        self.dir = d
+        self.path = os.path.join(d, f"budget-{name}.json")
+        lock = os.path.join(d, f"budget-{name}.lock")
+        self.lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+    def close(self) -> None:
+        os.close(self.lock_fd)
+
+    def read(self) -> BudgetFile:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return BudgetFile()
+        try:
+            data = os.read(fd, 1 << 20)
+        finally:
+            os.close(fd)
+        try:
+            state = msgspec.json.decode(data, type=BudgetFile)
+        except msgspec.DecodeError as exc:
+            raise BudgetError(f"{self.path} is not a kvcached budget ({exc}); remove it") from exc
+        if state.version != _VERSION:
+            raise BudgetError(f"{self.path}: budget format {state.version}, this kvcached reads {_VERSION}")
+        return state
+
+    def write(self, state: BudgetFile) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".budget-")
+        try:
+            os.write(fd, msgspec.json.encode(state))
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)  # atomic: a reader sees the old state or the new one
+
+    @contextlib.contextmanager
+    def locked(self, *, reclaim: bool = True) -> Iterator[BudgetFile]:
+        """The state under the lock; ``reclaim``: dead engines' shares dropped (and written)."""
+        fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
+        try:
+            state = self.read()
+            live = tuple(s for s in state.shares if _alive(s)) if reclaim else state.shares
+            if len(live) != len(state.shares):
+                state = msgspec.structs.replace(state, shares=live)
+                self.write(state)
+            yield state
+        finally:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+
+
+class Budget:
+    """This engine's handle on a named budget: acquire bytes before mapping, release on unmap."""
+
+    def __init__(self, name: str, files: _Files) -> None:
+        self.name = name
+        self._files = files
+        self.pid = os.getpid()
+        self.start = _start_time(self.pid) or 0
+        self.tag = next(_tags)
+        self.held = 0  # bytes this engine holds in the budget
+        self._headroom: tuple[float, int | None] | None = None
+        self._closed = False
+
+    @classmethod
+    def open(cls, name: str, size_bytes: int | None = None, *, directory: str | None = None) -> Budget:
+        """Join the budget ``name`` (made if new); ``size_bytes`` > 0 sets its size."""
+        if size_bytes is not None and size_bytes < 0:
+            raise ConfigError(f"budget {name}: size must be >= 0 bytes, got {size_bytes}")
+        budget = cls(name, _Files(name, directory))
+        size = size_bytes or None
+        budget._change(
+            lambda s: msgspec.structs.replace(
+                s,
+                size=s.size if size is None else size,
+                shares=(*s.shares, Share(pid=budget.pid, start=budget.start, tag=budget.tag, bytes=0)),
+            )
+        )
+        return budget
+
+    def _mine(self, s: Share) -> bool:
+        return s.pid == self.pid and s.tag == self.tag
+
+    def _change(self, fn: Callable[[BudgetFile], BudgetFile | None]) -> BudgetFile:
+        if self._closed:
+            raise BudgetError(f"budget {self.name} is closed")
+        with self._files.locked() as state:
+            new = fn(state)
+            if new is not None and new is not state:
+                self._files.write(new)
+                state = new
+        self._headroom = None
+        return state
+
+    def _with_bytes(self, state: BudgetFile, delta: int) -> BudgetFile:
+        shares = []
+        found = False
+        for s in state.shares:
+            if self._mine(s):
+                found = True
+                s = msgspec.structs.replace(s, bytes=s.bytes + delta)
+            shares.append(s)
+        if not found:  # our share was dropped (our start time misread): take it back
+            shares.append(Share(pid=self.pid, start=self.start, tag=self.tag, bytes=self.held + delta))
+        return msgspec.structs.replace(state, shares=tuple(shares))
+
+    def try_acquire(self, nbytes: int, *, force: bool = False) -> bool:
+        """Take ``nbytes`` if the budget has them (``force``: even if not, an overdraft)."""
+        granted = False
+
+        def take(state: BudgetFile) -> BudgetFile | None:
+            nonlocal granted
+            if not force and state.size is not None and state.used + nbytes > state.size:
+                return None
+            granted = True
+            return self._with_bytes(state, nbytes)
+
+        self._change(take)
+        if granted:
+            self.held += nbytes
+        return granted
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of what this engine holds."""
+        nbytes = min(nbytes, self.held)
+        if nbytes <= 0:
+            return
+        self._change(lambda s: self._with_bytes(s, -nbytes))
+        self.held -= nbytes
+
+    def set_size(self, nbytes: int | None) -> None:
+        """Bound the budget at ``nbytes`` (None: unbounded); what is in use stays mapped."""
+        self._change(lambda s: msgspec.structs.replace(s, size=nbytes))
+
+    def headroom(self, max_age: float = HEADROOM_MAX_AGE) -> int | None:
+        """Bytes the budget can still grant (None: unbounded), read at most ``max_age`` ago."""
+        now = time.monotonic()
+        cached = self._headroom
+        if cached is not None and now - cached[0] <= max_age:
+            return cached[1]
+        u = self.usage()
+        self._headroom = (now, u.headroom)
+        return u.headroom
+
+    def usage(self) -> BudgetUsage:
+        return _usage(self.name, self._files)
+
+    def close(self) -> None:
+        """Give back this engine's share (all of it) and leave the budget; once."""
+        if self._closed:
+            return
+        self._change(lambda s: msgspec.structs.replace(s, shares=tuple(x for x in s.shares if not self._mine(x))))
+        self._closed = True
+        self.held = 0
+        self._files.close()
+
+
+def _usage(name: str, files: _Files) -> BudgetUsage:
+    """Read, not reclaimed: a dead engine shows as such (its bytes are not counted as used, and
+    the next change drops its share)."""
+    with files.locked(reclaim=False) as state:
+        pass
+    engines: dict[tuple[int, bool], int] = {}
+    for s in state.shares:  # one line per process, however many engines it runs
+        key = (s.pid, _alive(s))
+        engines[key] = engines.get(key, 0) + s.bytes
+    return BudgetUsage(
+        name=name,
+        size=state.size,
+        used=sum(b for (_, alive), b in engines.items() if alive),
+        engines=tuple(EngineUsage(pid=p, bytes=b, alive=a) for (p, a), b in sorted(engines.items())),
+    )
+
+
+def budget_usage(name: str, *, directory: str | None = None) -> BudgetUsage:
+    """What a budget holds, for ``kvctl list`` (joins nothing; dead engines' shares are dropped)."""
+    files = _Files(name, directory)
+    try:
+        return _usage(name, files)
+    finally:
+        files.close()
+
+
+def set_budget_size(name: str, nbytes: int | None, *, directory: str | None = None) -> BudgetUsage:
+    """Set a budget's size (made if new), for ``kvctl budget NAME SIZE``; returns its usage."""
+    if nbytes is not None and nbytes < 0:
+        raise ConfigError(f"budget {name}: size must be >= 0 bytes, got {nbytes}")
+    files = _Files(name, directory)
+    try:
+        with files.locked() as state:
+            files.write(msgspec.structs.replace(state, size=nbytes))
+        return _usage(name, files)
+    finally:
+        files.close()

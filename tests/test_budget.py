@@ -1,0 +1,265 @@
+"""One budget shared by engines (kvcached.budget): processes, SIGKILL, concurrency, the allocator.
+
+Each check trips on the bug it is for: with the dead-share reclaim taken out of
+``_Files.locked`` (``live = state.shares``), ``test_a_sigkilled_engines_share_is_reclaimed``,
+``test_a_reused_pid_is_not_taken_for_the_engine`` and
+``test_engines_starting_and_stopping_concurrently`` fail; with the start time left out of
+``_alive`` (pid alone), ``test_a_reused_pid_is_not_taken_for_the_engine`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvcached.backends.host import HostBackend
+from kvcached.budget import Budget, BudgetError, budget_usage, set_budget_size
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
+from kvcached.ledger.events import BuildBoundary
+
+MiB = 1 << 20
+
+# A process that joins the budget, takes what it is told on stdin and says what it got.
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from kvcached.budget import Budget
+    b = Budget.open(sys.argv[1], None, directory=sys.argv[2])
+    print("ready", flush=True)
+    for line in sys.stdin:
+        op, n = line.split()
+        if op == "take":
+            print(b.try_acquire(int(n)), flush=True)
+        elif op == "give":
+            b.release(int(n))
+            print("ok", flush=True)
+        elif op == "close":
+            b.close()
+            print("ok", flush=True)
+    """
+)
+
+
+class Child:
+    def __init__(self, name: str, directory: str) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", CHILD, name, directory],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.ask(None) == "ready"
+
+    def ask(self, line: str | None) -> str:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        if line is not None:
+            self.p.stdin.write(line + "\n")
+            self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+    def kill(self) -> None:
+        self.p.send_signal(signal.SIGKILL)
+        self.p.wait()
+
+    def end(self) -> None:
+        if self.p.poll() is None:
+            assert self.p.stdin is not None
+            self.p.stdin.close()
+            self.p.wait(timeout=30)
+
+
+@pytest.fixture
+def bdir(tmp_path):
+    d = tmp_path / "budgets"
+    d.mkdir(mode=0o700)
+    return str(d)
+
+
+def test_two_processes_share_a_budget(bdir) -> None:
+    me = Budget.open("gpu0", 10 * MiB, directory=bdir)
+    other = Child("gpu0", bdir)
+    try:
+        assert other.ask(f"take {6 * MiB}") == "True"
+        assert not me.try_acquire(6 * MiB)  # 6 of 10 taken
+        assert me.try_acquire(4 * MiB)
+        assert me.headroom(max_age=0) == 0
+        assert other.ask(f"give {4 * MiB}") == "ok"
+        assert me.try_acquire(4 * MiB)  # what one gave back, the other maps
+        u = budget_usage("gpu0", directory=bdir)
+        assert (u.size, u.used) == (10 * MiB, 10 * MiB)
+        assert {(e.pid, e.bytes, e.alive) for e in u.engines} == {
+            (os.getpid(), 8 * MiB, True),
+            (other.p.pid, 2 * MiB, True),
+        }
+        assert other.ask("close 0") == "ok"  # leaving gives the share back
+        assert budget_usage("gpu0", directory=bdir).used == 8 * MiB
+    finally:
+        other.end()
+        me.close()
+    assert budget_usage("gpu0", directory=bdir).engines == ()
+
+
+def test_a_sigkilled_engines_share_is_reclaimed(bdir) -> None:
+    me = Budget.open("gpu0", 10 * MiB, directory=bdir)
+    other = Child("gpu0", bdir)
+    try:
+        assert other.ask(f"take {9 * MiB}") == "True"
+        other.kill()
+        u = budget_usage("gpu0", directory=bdir)
+        assert [(e.pid, e.alive) for e in u.engines if e.pid == other.p.pid] == [(other.p.pid, False)]
+        assert u.used == 0  # a dead engine's bytes count for nothing
+        assert me.try_acquire(10 * MiB)  # and the next change drops its share
+        assert [e.pid for e in budget_usage("gpu0", directory=bdir).engines] == [os.getpid()]
+    finally:
+        other.end()
+        me.close()
+
+
+def test_a_reused_pid_is_not_taken_for_the_engine(bdir) -> None:
+    """A share whose pid is alive but belongs to another process (another start time) is dead."""
+    me = Budget.open("gpu0", 10 * MiB, directory=bdir)
+    try:
+        path = os.path.join(bdir, "budget-gpu0.json")
+        with open(path) as f:
+            state = json.load(f)
+        ghost = {"pid": os.getppid(), "start": 1, "tag": 1, "bytes": 10 * MiB}  # a live pid, not that process
+        state["shares"].append(ghost)
+        with open(path, "w") as f:
+            json.dump(state, f)
+        assert me.try_acquire(MiB)
+        assert all(e.pid != os.getppid() for e in budget_usage("gpu0", directory=bdir).engines)
+    finally:
+        me.close()
+
+
+SWARM = textwrap.dedent(
+    """
+    import os, random, sys, time
+    from kvcached.budget import Budget
+    name, d, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = random.Random(seed)
+    for _ in range(20):
+        b = Budget.open(name, None, directory=d)
+        for _ in range(rng.randint(1, 5)):
+            n = rng.randint(1, 4) << 20
+            if b.try_acquire(n):
+                u = b.usage()
+                assert u.used <= u.size, (u.used, u.size)
+                b.release(rng.choice((n, n // 2)))
+        if seed % 2 == 0 and rng.random() < 0.3:
+            b.try_acquire(1 << 20)
+            os.kill(os.getpid(), 9)  # die holding a share
+        b.close()
+    """
+)
+
+
+def test_engines_starting_and_stopping_concurrently(bdir) -> None:
+    set_budget_size("gpu0", 8 * MiB, directory=bdir)
+    procs = [subprocess.Popen([sys.executable, "-c", SWARM, "gpu0", bdir, str(i)]) for i in range(6)]
+    over = []
+    while any(p.poll() is None for p in procs):
+        u = budget_usage("gpu0", directory=bdir)
+        if u.used > 8 * MiB:
+            over.append(u.used)
+        time.sleep(0.005)
+    codes = sorted(p.returncode for p in procs)
+    assert all(c in (0, -signal.SIGKILL) for c in codes), codes
+    assert over == []  # never more in use than the size
+    me = Budget.open("gpu0", None, directory=bdir)
+    try:
+        assert me.try_acquire(8 * MiB)  # everything the dead held came back
+    finally:
+        me.close()
+    u = budget_usage("gpu0", directory=bdir)
+    assert (u.size, u.used, u.engines) == (8 * MiB, 0, ())
+
+
+def test_size_unset_bounds_nothing_and_kvctl_can_set_it(bdir) -> None:
+    b = Budget.open("gpu1", None, directory=bdir)
+    try:
+        assert b.headroom() is None and b.try_acquire(1 << 40)
+        u = set_budget_size("gpu1", 2 * MiB, directory=bdir)
+        assert (u.size, u.headroom) == (2 * MiB, 0)  # lowered below use: nothing taken away
+        assert not b.try_acquire(1)
+        b.release(1 << 40)
+        assert b.try_acquire(2 * MiB)
+    finally:
+        b.close()
+
+
+def test_bad_names_and_directories_are_refused(tmp_path, bdir) -> None:
+    with pytest.raises(Exception, match="budget name"):
+        Budget.open("../x", None, directory=bdir)
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    with pytest.raises(BudgetError, match="mode 0700"):
+        Budget.open("gpu0", None, directory=str(loose))
+    link = tmp_path / "link"
+    link.symlink_to(bdir)
+    with pytest.raises(BudgetError, match="mode 0700"):
+        Budget.open("gpu0", None, directory=str(link))
+    with open(os.path.join(bdir, "budget-junk.json"), "w") as f:
+        f.write("not json")
+    with pytest.raises(BudgetError, match="not a kvcached budget"):
+        Budget.open("junk", None, directory=bdir)
+
+
+PAGE = 64 * 1024
+
+
+def manager(budget: Budget, **kw: int) -> KVCacheManager:
+    geo = KVGeometry(num_blocks=32, block_bytes=PAGE // 4, page_bytes=PAGE)  # 8 pages of 4 blocks
+    return KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE), budget=budget, **kw)  # type: ignore[arg-type]
+
+
+def release_grace(m: KVCacheManager, build: int) -> None:
+    m.recorder.emit(BuildBoundary(build))
+    m.drain_releasable()
+
+
+def test_two_managers_map_only_within_their_budget(bdir) -> None:
+    a_b = Budget.open("gpu0", 6 * PAGE, directory=bdir)
+    b_b = Budget.open("gpu0", None, directory=bdir)
+    a, b = manager(a_b), manager(b_b)
+    try:
+        blocks = a.alloc(4 * 5)  # 5 pages
+        assert a_b.held == 5 * PAGE
+        assert b.available_size() == 4  # one page left in the budget: fewer free blocks, no error
+        got = b.alloc(b.available_size())
+        assert len(got) == 4 and b.available_size() == 0
+        st = b.state()
+        assert "budget gpu0 full" in st.reason and st.mapped_bytes == PAGE
+        a.free(blocks[8:])  # three pages empty; they go when the ledger lets them
+        release_grace(a, 0)
+        assert a.state().mapped == 2 and a_b.held == 2 * PAGE
+        b_b._headroom = None  # the headroom read is reused for HEADROOM_MAX_AGE
+        assert b.available_size() == 4 * 3  # what a gave back, b can map
+        b.alloc(12)
+        assert budget_usage("gpu0", directory=bdir).used == 6 * PAGE
+        assert a.allocator.overdrafts == b.allocator.overdrafts == 0
+    finally:
+        a.backend.close()
+        b.backend.close()
+        a_b.close()
+        b_b.close()
+
+
+def test_the_reserve_stops_at_the_budget(bdir) -> None:
+    bud = Budget.open("gpu0", 3 * PAGE, directory=bdir)
+    m = manager(bud, min_reserved=4, max_reserved=4)
+    try:
+        m.alloc(1)  # page 0, then a reserve of 4 wanted: the budget grants 2
+        st = m.state()
+        assert (st.in_use, st.reserved) == (1, 2) and bud.held == 3 * PAGE
+    finally:
+        m.backend.close()
+        bud.close()

@@ -1,0 +1,173 @@
+"""Limits that shrink, on vLLM's real Scheduler and OffloadingConnector (issue 15).
+
+A shrink used to free only pages already empty: an idle engine whose prefix cache kept a block
+on every page stayed over a lowered limit for good (498 of 900 randomized runs). The page-aware
+pool now evicts cached blocks whole pages at a time, through vLLM's own ``evict_blocks``, and
+the pages go as the ledger lets them. With ``PageAwarePool.shrink`` made a no-op (the old code)
+the first three tests fail: the idle engine stays at 11 pages (all in use) over a limit of 3,
+the one with running requests at 16, and the comparison's shrink never finishes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+pytestmark = pytest.mark.vllm
+
+import torch  # noqa: E402
+
+from kvcached.backends.host import HostBackend  # noqa: E402
+from kvcached.kv_cache_manager import KVGeometry  # noqa: E402
+from kvcached.testing.harness import Harness, HarnessConfig  # noqa: E402
+from kvcached.vllm_bridge.engine import Engine, EngineConfig, assemble  # noqa: E402
+
+PAGE_BLOCKS = 4
+CFG = HarnessConfig(num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=512)
+
+
+class Elastic:
+    """One harness with kvcached under it, the prefix cache uncapped unless told."""
+
+    def __init__(self, config: EngineConfig, cfg: HarnessConfig = CFG) -> None:
+        self.config = config
+        self.backends: list[HostBackend] = []
+        self.geometry: KVGeometry | None = None
+        self.engine: Engine | None = None
+        self.h = Harness(cfg, kv_memory=self._memory, on_scheduler_built=self._built)
+
+    def _memory(self, num_blocks: int, block_bytes: int) -> torch.Tensor:
+        self.geometry = g = KVGeometry(num_blocks=num_blocks, block_bytes=block_bytes, page_bytes=block_bytes * 4)
+        backend = HostBackend(page_bytes=g.page_bytes)
+        backend.reserve(g.backend_pages)
+        self.backends.append(backend)
+        return backend.tensor()[: num_blocks * block_bytes].view(num_blocks, block_bytes)
+
+    def _built(self, scheduler: Any) -> None:
+        assert self.geometry is not None
+        self.engine = assemble(scheduler, self.geometry, self.backends, self.config)
+
+    @property
+    def e(self) -> Engine:
+        assert self.engine is not None
+        return self.engine
+
+    def fill_cache(self, n: int = 6, seed: int = 0) -> list[list[int]]:
+        """Serve ``n`` distinct prompts to the end: their blocks stay in the prefix cache."""
+        prompts = [self.h.make_prompt(100, seed=seed + i) for i in range(n)]
+        for p in prompts:
+            self.h.add_request(prompt=p, max_tokens=4)
+        self.h.run_until_idle()
+        return prompts
+
+    def check_consistent(self) -> None:
+        """kvcached and vLLM agree on every block, vLLM's hash map points only at blocks kvcached
+        holds (an evicted block left in it would be a prefix hit on a page given back), and the
+        ledger saw no violation."""
+        pool = self.e.pool
+        assert pool is not None and self.e.manager is not None
+        assert pool.disagreements() == []
+        vllm_pool = pool.pool
+        for block in vllm_pool.blocks:
+            if block.block_hash is not None and not block.is_null:
+                assert self.e.manager.holds(block.block_id), block.block_id
+        assert self.e.ledger.violations == []
+
+    def close(self) -> None:
+        self.h.close()
+        if self.engine is not None:
+            self.engine.close()
+        for b in self.backends:
+            b.close()
+
+
+@pytest.fixture
+def elastic():
+    made: list[Elastic] = []
+
+    def make(config: EngineConfig | None = None) -> Elastic:
+        made.append(Elastic(config or EngineConfig(max_cached_blocks=None)))
+        return made[-1]
+
+    yield make
+    for x in made:
+        x.close()
+
+
+def test_an_idle_engine_with_a_full_prefix_cache_reaches_a_lowered_limit(elastic) -> None:
+    x = elastic()
+    x.fill_cache()
+    before = x.e.memory()
+    assert before.mapped >= 10 and len(x.e.pool.evictable) >= 30  # every page holds cached blocks
+    limit = 3
+    st = x.e.set_limit_bytes(limit * x.e.page_bytes + x.e.page_bytes // 2)  # rounded down to 3 pages
+    assert st.limit == limit and st.limit_bytes == limit * st.page_bytes
+    x.h.run_until_idle()  # the bridge keeps an idle engine stepping while grace pins drain
+    after = x.e.memory()
+    assert after.mapped <= limit and not after.shrink_pending, after.describe()
+    assert after.mapped_bytes == after.mapped * x.e.page_bytes
+    x.check_consistent()
+    # What is left of the cache still serves: the pages kept are the most recently used.
+    assert x.e.pool.evictable
+
+
+def test_page_aware_eviction_keeps_more_of_the_cache_than_lru(elastic) -> None:
+    """The same shrink, victims by page against vLLM's block LRU order: both reach the limit,
+    the page-aware one by evicting fewer blocks (LRU takes a block of every page first)."""
+    kept = {}
+    for eviction in ("page", "lru"):
+        x = elastic()
+        x.e.pool.eviction = eviction
+        prompts = [x.h.make_prompt(100, seed=i) for i in range(6)]
+        for i, p in enumerate(prompts):  # interleaved, so that the cache's pages mix requests
+            x.h.add_request(prompt=p, max_tokens=4 + 3 * i)
+        x.h.run_until_idle()
+        x.e.set_limit_bytes(4 * x.e.page_bytes)
+        x.h.run_until_idle()
+        assert not x.e.memory().shrink_pending
+        x.check_consistent()
+        kept[eviction] = len(x.e.pool.evictable)
+    assert kept["page"] > kept["lru"], kept
+
+
+def test_a_shrink_waiting_on_running_requests_finishes_when_they_end(elastic) -> None:
+    x = elastic()
+    x.fill_cache()
+    for i in range(3):
+        x.h.add_request(prompt=x.h.make_prompt(120, seed=100 + i), max_tokens=20)
+    for _ in range(3):
+        x.h.step()
+    st = x.e.set_limit_bytes(3 * x.e.page_bytes)
+    assert st.shrink_pending and "in use" in st.reason  # the running requests' pages
+    x.h.run_until_idle()  # as they finish, their cached blocks are evicted by page
+    after = x.e.memory()
+    assert after.mapped <= 3 and not after.shrink_pending, after.describe()
+    x.check_consistent()
+
+
+def test_a_raised_limit_serves_again_with_prefix_hits(elastic) -> None:
+    x = elastic()
+    prompts = x.fill_cache()
+    x.e.set_limit_bytes(3 * x.e.page_bytes)
+    x.h.run_until_idle()
+    st = x.e.set_limit_bytes(None)
+    assert st.limit == x.geometry.num_pages and not st.shrink_pending
+    rid = x.h.add_request(prompt=prompts[-1], max_tokens=2)
+    x.h.run_until_idle()
+    assert x.h.output_tokens(rid) == x.h.model.continuation(prompts[-1], 2)
+    x.check_consistent()
+
+
+def test_bytes_and_the_reserve_in_bytes(elastic) -> None:
+    x = elastic(EngineConfig(min_reserved_pages=2, max_reserved_pages=10, max_reserved_bytes=0))
+    cost = x.e.page_bytes
+    assert cost == x.geometry.page_bytes  # one region, one replica here
+    assert x.e.describe_reserve() == f"reserve 2..10 pages = {2 * cost // 1024} KiB..{10 * cost // 1024} KiB"
+    y = elastic(EngineConfig(min_reserved_pages=5, max_reserved_pages=10, max_reserved_bytes=3 * cost + 1))
+    a = y.e.manager.allocator
+    assert (a.min_reserved, a.max_reserved) == (3, 3)  # the byte bound wins, the minimum follows
+    assert y.e.describe_reserve().startswith("reserve 3..3 pages = ")
+    line = y.e.memory().describe()
+    assert "\n" not in line and " = " in line and "limit" in line
