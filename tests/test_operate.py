@@ -273,3 +273,17 @@ def test_a_failing_scheduler_call_saves_the_flight_recorder_before_it_raises(tmp
         assert sum(1 for _ in RotatedJournal(dump).events()) == len(events)  # every event before the error
     finally:
         bg.close()
+
+
+def test_kvctl_budget_sets_and_shows_a_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    code, out, err = kv(capsys, "budget", "gpu0", "8G", "--json")
+    assert code == 0, err
+    u = json.loads(out)
+    assert u["size"] == 8 << 30 and u["used"] == 0 and u["headroom"] == 8 << 30
+    code, out, _ = kv(capsys, "budget", "gpu0")
+    assert code == 0 and "8 GiB" in out
+    for bad, message in ((["budget", "a/b"], "not a budget name"), (["budget", "gpu0", "lots"], "not a size")):
+        code, _, err = kv(capsys, *bad)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1

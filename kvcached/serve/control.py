@@ -114,6 +114,7 @@ class ServedEngine:
         self.page_cost = page_cost  # bytes one page costs: one page in every region of every backend
         self._timer = timer
         self._failed = False
+        self.wake: Callable[[], None] | None = None  # steps an idle engine core (set by the plugin)
 
     def info(self) -> EngineInfo:
         return self._info
@@ -137,7 +138,10 @@ class ServedEngine:
             else:
                 pages = manager.allocator.num_pages if size is None else size // self.page_cost
                 manager.set_limit_pages(pages)
-            return self._status()
+            status = self._status()
+        if status.shrink_pending and self.wake is not None:
+            self.wake()  # pages emptied now may wait for a build: an idle engine must take one
+        return status
 
     def _status(self) -> MemoryStatus:
         manager = self.engine.manager

@@ -20,6 +20,7 @@ argparse does but without the usage block. The engine is ``--socket PATH``, else
     kvctl limit-percent [ENGINE] PCT      the same, as a percentage of the engine's KV capacity
     kvctl dump [ENGINE] -o FILE           the flight recorder's events as a replayable trace
     kvctl watch [-n SEC]                  kvctl list, again every SEC seconds
+    kvctl budget NAME [SIZE]              a memory budget shared by engines: its use, or set its size
 
 Upstream kvcached's ``limit`` and ``limit-percent`` keep their meaning and size syntax; its
 commands that have no meaning here (``kvtop``, ``shell``, ``delete``) say so in one line.
@@ -37,6 +38,7 @@ from typing import Final, NoReturn, TextIO
 
 import msgspec
 
+from kvcached.budget import NAME, BudgetUsage, budget_usage, set_budget_size
 from kvcached.errors import KvcachedError
 from kvcached.ledger.events import describe
 from kvcached.service import live, messages
@@ -267,7 +269,7 @@ def discover(timeout: float = 2.0, folder: str | None = None) -> list[Found]:
 def _list_cells(f: Found) -> tuple[str, ...]:
     s = f.status
     if s is None:
-        return ("-", "-", "-", "-", "-", "dead", f.socket)
+        return ("-", "-", "-", "-", "-", "-", "dead", f.socket)
     e, m = s.engine, s.memory
     model = e.model if e is not None else "?"
     port = str(e.port) if e is not None and e.port is not None else "-"
@@ -276,10 +278,11 @@ def _list_cells(f: Found) -> tuple[str, ...]:
     state = "shrinking" if m is not None and m.shrink_pending else "serving"
     if s.violations_by_invariant:
         state += " (violations: " + ",".join(sorted(s.violations_by_invariant)) + ")"
-    return (model, str(s.pid), port, mem, limit, state, f.socket)
+    budget = (e.budget if e is not None else None) or "-"
+    return (model, str(s.pid), port, mem, limit, budget, state, f.socket)
 
 
-_LIST_HEAD = ("model", "pid", "port", "mapped", "limit", "state", "socket")
+_LIST_HEAD = ("model", "pid", "port", "mapped", "limit", "budget", "state", "socket")
 
 
 def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
@@ -303,6 +306,35 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
         _rich(out, "kvcached engines", _LIST_HEAD, cells, {1, 2, 3, 4})
     else:
         _plain(out, _LIST_HEAD, cells, {1, 2, 3, 4})
+    names = sorted({f.status.engine.budget for f in found if f.status and f.status.engine and f.status.engine.budget})
+    for name in names:
+        out.write(_budget_line(budget_usage(name)) + "\n")
+    return 0
+
+
+def _budget_line(u: BudgetUsage) -> str:
+    size = "no size set" if u.size is None else format_size(u.size)
+    engines = ", ".join(f"pid {e.pid} {format_size(e.bytes)}{'' if e.alive else ' (dead)'}" for e in u.engines)
+    return f"budget {u.name}: {format_size(u.used)} used of {size}" + (f" ({engines})" if engines else "")
+
+
+def cmd_budget(args: argparse.Namespace, out: TextIO) -> int:
+    if not NAME.fullmatch(args.name):
+        raise live.LiveViewError(f"{args.name!r} is not a budget name (letters, digits, '.', '_', '-'; at most 64)")
+    if args.size is None:
+        u = budget_usage(args.name)
+    else:
+        try:
+            size = _size(args.size)
+        except argparse.ArgumentTypeError as exc:
+            raise live.LiveViewError(f"budget: {exc}") from None
+        u = set_budget_size(args.name, size)
+    if args.json:
+        d = msgspec.to_builtins(u)
+        d["headroom"] = u.headroom
+        out.write(msgspec.json.encode(d).decode() + "\n")
+    else:
+        out.write(_budget_line(u) + "\n")
     return 0
 
 
@@ -481,6 +513,13 @@ def parser() -> argparse.ArgumentParser:
     wa.add_argument("-n", "--interval", type=_seconds, default=2.0, help="seconds between updates (default 2)")
     wa.add_argument("--all", action="store_true", help="also the sockets nobody answers on")
     wa.add_argument("--json", action="store_true", help="one JSON array per update")
+    b = sub.add_parser("budget", help="a memory budget shared by engines: show it, or set its size", description=(
+        "Engines started with the same KVCACHED_BUDGET map pages only within it. Without SIZE: what it holds, "
+        "per engine. With SIZE (512M, 8G, none): set it; lowering it takes nothing away, engines map no more "
+        "until enough is given back."))
+    b.add_argument("name", metavar="NAME", help="the budget's name (KVCACHED_BUDGET)")
+    b.add_argument("size", nargs="?", metavar="SIZE", help="its new size, or none")
+    b.add_argument("--json", action="store_true", help="the budget as JSON")
     for name, why in _NOT_HERE.items():
         sub.add_parser(name, help=f"upstream kvcached's; not here ({why.split(';')[0]})", description=why)
     return ap
@@ -519,6 +558,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return cmd_list(args, stream)
         if args.command == "watch":
             return cmd_watch(args, stream)
+        if args.command == "budget":
+            return cmd_budget(args, stream)
         path = args.socket or (resolve(args.engine) if args.engine else None)
         return COMMANDS[args.command](live.find_socket(path), args, stream)
     except KvcachedError as exc:
