@@ -6,10 +6,12 @@ worker's traceback. There too, as vLLM's ``validate_environ`` does for unknown `
 variables, each ``KVCACHED_*`` variable kvcached does not read gets one warning line: a
 misspelt setting would otherwise go unnoticed, its default in force. What they accept is what
 the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
-``OffloadingConnector`` as the only one; one worker (tensor, pipeline and data parallel sizes of
-1), run by vLLM's multiprocessing executor on the CPU build (whose worker shares host memory with
-the engine core) or its uniprocess executor (on a GPU, where the CUDA pages live in the worker's
-process); the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
+``OffloadingConnector`` as the only one; tensor parallelism of any size on one machine (each
+rank's KV memory lives in its worker, which applies the scheduler's page decisions carried by
+each step: ``step_channel``), run by vLLM's multiprocessing, uniprocess or Ray executor, on the
+CPU build and on GPUs alike; pipeline and data parallel sizes of 1 (a pipeline stage's worker holds
+other layers, so its pages need not be where rank 0's are; data parallel engines are separate
+schedulers); the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
 block that does not divide a page, an interleaved layout) can only run once vLLM has sized the
 cache; they live in ``kv_memory.plan`` and fail the worker with the same kind of line.
 """
@@ -28,7 +30,7 @@ from ..settings import Settings, unknown_settings
 log = logging.getLogger("vllm.kvcached")  # the plugin's logger: vLLM's format and handlers
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
-SUPPORTED_EXECUTORS = ("mp", "uni")
+SUPPORTED_EXECUTORS = ("mp", "uni", "ray")
 OUR_SPEC = ("KvcachedCPUOffloadingSpec", "kvcached.vllm_bridge.cpu_offload")
 
 
@@ -51,26 +53,23 @@ def check_config(
     check_vllm_version(version)
     par = vllm_config.parallel_config
     sizes = {
-        "--tensor-parallel-size": int(par.tensor_parallel_size),
         "--pipeline-parallel-size": int(par.pipeline_parallel_size),
         "--data-parallel-size": int(par.data_parallel_size),
     }
     for flag, n in sizes.items():
         if n != 1:
-            raise ConfigError(f"kvcached serves one worker; {flag} is {n}: set it to 1 or disable kvcached")
+            raise ConfigError(
+                f"kvcached serves tensor parallelism only; {flag} is {n}: set it to 1 or disable kvcached"
+            )
+    if int(getattr(par, "nnodes", 1) or 1) > 1:
+        raise ConfigError("kvcached serves one machine; --nnodes is more than 1: run on one node or disable kvcached")
+    tp = int(par.tensor_parallel_size)
     executor = par.distributed_executor_backend
     if executor is not None and executor not in SUPPORTED_EXECUTORS:
         name = executor if isinstance(executor, str) else getattr(executor, "__name__", repr(executor))
         raise ConfigError(
-            f"kvcached needs vLLM's mp or uni executor, not {name}: drop --distributed-executor-backend "
+            f"kvcached needs vLLM's mp, uni or ray executor, not {name}: drop --distributed-executor-backend "
             "or disable kvcached"
-        )
-    if not on_cpu and executor == "mp":
-        # The CUDA backend's pages live in the worker's process; the scheduler can unmap them only
-        # when it runs there too (the CPU build shares host memory across processes instead).
-        raise ConfigError(
-            "kvcached on a GPU needs the scheduler and worker in one process: "
-            "set --distributed-executor-backend uni or disable kvcached"
         )
     _check_connector(vllm_config.kv_transfer_config, on_cpu=on_cpu)
     if on_cpu:
@@ -81,7 +80,7 @@ def check_config(
         if kv_bytes:
             from .kv_memory import check_shm_room
 
-            check_shm_room(int(kv_bytes))
+            check_shm_room(int(kv_bytes) * tp)  # one range per tensor-parallel rank
     if settings.backend == "cuda" and (on_cpu or not cuda_visible()):
         raise ConfigError(
             "kvcached: KVCACHED_BACKEND=cuda needs a CUDA GPU and none is visible; "

@@ -14,10 +14,13 @@ interleaved inside a block, groups at different offsets, host-resident tensors, 
 not divide a page) is refused with one line, because a page could then hold bytes of blocks
 that are not all free when the ledger lets it go.
 
-The scheduler, which decides when a page goes, runs in the engine-core process; on vLLM's CPU
-build the worker is a child process. The host backend therefore shares the range through a
-``/dev/shm`` file named by a key that every process of one server inherits (``ENGINE_KEY_ENV``);
-in one process (the uniprocess executor) the scheduler takes the worker's backend object.
+The scheduler, which decides when a page goes, runs in the engine-core process; each worker
+(one per tensor-parallel rank) owns its range and applies the scheduler's decisions to it before
+each step (``step_channel``: they ride vLLM's ``SchedulerOutput``), so no process but the worker
+touches its memory, on a CPU as on a GPU. On vLLM's CPU build the host backend keeps the range in
+a ``/dev/shm`` file named by a key every process of one server inherits (``ENGINE_KEY_ENV``) and
+the worker's pid; the worker drops the name at the first step (``attach`` is for tests and tools
+that open a range from another process).
 """
 
 from __future__ import annotations
@@ -246,8 +249,14 @@ def allocate(
     if not kv_cache_config.kv_cache_tensors:
         return {}
     p = plan(kv_cache_config, page_bytes)
-    key = key or engine_key()
+    served = key is None
+    # Served: one range per worker process (tensor-parallel ranks share the server's key).
+    key = key or f"{engine_key()}-w{os.getpid()}"
     b = worker_backend(p, device=torch.device(device), backend=backend, key=key)
+    if served:
+        from . import step_channel
+
+        step_channel.install_worker(b, p)
     buf = b.tensor(torch.int8)
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:

@@ -63,13 +63,15 @@ def test_unsupported_setups_are_refused(
     assert "\n" not in str(e.value)
 
 
-def test_gpu_with_the_mp_executor_is_refused(model: str) -> None:
+def test_tensor_parallel_and_the_mp_executor_pass_on_cpu_and_gpu(model: str) -> None:
+    """Each rank's memory is its worker's, steered by the decisions each step carries
+    (step_channel): tensor parallel sizes and the mp executor pass, on the CPU build and on a GPU."""
     cfg = _config(model)
     cfg.parallel_config.distributed_executor_backend = "mp"
+    cfg.parallel_config.tensor_parallel_size = 4
     on = Settings.from_env({"ENABLE_KVCACHED": "1"})
-    checks.check_config(cfg, on, version="0.32.0", on_cpu=True)  # the CPU build shares host memory
-    with pytest.raises(ConfigError, match="--distributed-executor-backend uni"):
-        checks.check_config(cfg, on, version="0.33.0", on_cpu=False)
+    checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
+    checks.check_config(cfg, on, version="0.33.0", on_cpu=False)
 
 
 def test_a_kv_cache_larger_than_dev_shm_is_refused(model: str) -> None:
@@ -83,11 +85,34 @@ def test_a_kv_cache_larger_than_dev_shm_is_refused(model: str) -> None:
         checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
 
 
-def test_parallel_sizes_are_refused(model: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("pipeline_parallel_size", 2, "--pipeline-parallel-size is 2: set it to 1"),
+        ("data_parallel_size", 2, "--data-parallel-size is 2: set it to 1"),
+        ("nnodes", 2, "--nnodes is more than 1"),
+    ],
+)
+def test_pipeline_data_parallel_and_nodes_are_refused(model: str, field: str, value: int, needle: str) -> None:
     cfg = _config(model)
-    cfg.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(ConfigError, match="--tensor-parallel-size is 2: set it to 1"):
+    setattr(cfg.parallel_config, field, value)
+    with pytest.raises(ConfigError, match=needle) as e:
         checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
+    assert "\n" not in str(e.value)
+
+
+def test_dev_shm_room_counts_every_rank(model: str) -> None:
+    import os
+
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    cfg = _config(model)
+    cfg.cache_config.kv_cache_memory_bytes = free // 2 + (64 << 20)  # fits once, not twice
+    on = Settings.from_env({"ENABLE_KVCACHED": "1"})
+    checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
+    cfg.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ConfigError, match="/dev/shm has"):
+        checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
 
 
 def test_unknown_kvcached_variables_get_one_warning_line_each(model: str) -> None:

@@ -1,0 +1,233 @@
+"""End to end at --tensor-parallel-size 2 on vLLM's CPU build: the page decisions reach both ranks.
+
+Each rank's KV memory is its own worker's; the scheduler's map and unmap decisions ride vLLM's
+``SchedulerOutput`` to every worker and are applied there before the step (``step_channel``),
+or through vLLM's ``collective_rpc`` when the engine goes idle. kvcached PR #598's validation
+load (tests/serve/test_serve_e2e.py), at TP=2 with vLLM's ``mp`` executor:
+
+* ``ledger``, with rank 1 reporting every copy three steps after rank 0 and copying only then
+  (``kvcached.testing.late_rank``): every greedy token, top-5 logprob and cached-token count
+  equals native vLLM's at TP=2; the journal replays clean (I1: no page of a job unmapped before
+  every worker reported it) and shows jobs reported in two parts, rank 0's first;
+* ``legacy``: the journal shows I1 (the freed-block copy), the check above tripping;
+* elasticity: after a load and a prefix-cache reset (the engine then idle), both ranks' resident
+  memory falls by most of what the load added;
+* with vLLM's Ray executor (``--distributed-executor-backend ray``), if ray is installed: the
+  ledger server's completions equal native's again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvcached.testing.e2e import (
+    ACTIVE_LINE,
+    ERROR_SIGNATURES,
+    Completion,
+    Server,
+    ServerConfig,
+    rss_bytes,
+    validation_config,
+    validation_prompts,
+)
+from kvcached.testing.late_rank import DELAY_STEPS, SPEC
+from kvcached.testing.tiny_model import build, corpus
+
+pytestmark = pytest.mark.vllm
+
+TP2 = ("--tensor-parallel-size", "2")
+# vLLM's CPU build binds each rank's threads to a NUMA node of its own by default and refuses two
+# ranks on one node; this machine has one. Both ranks share the cores, one thread each.
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build(tmp_path_factory.mktemp("tiny-llama-tp")))
+
+
+@dataclass
+class Run:
+    mode: str
+    server: Server
+    ready: bool
+    outputs: list[Completion]
+    journal: Path | None
+
+
+def _late_rank(cfg: ServerConfig) -> None:
+    """Rank 1 reports late: kvcached's CPU spec, swapped for the test's (same sizes)."""
+    assert cfg.cpu_offload_bytes
+    ktc = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": cfg.cpu_offload_bytes,
+            "spec_name": SPEC[0],
+            "spec_module_path": SPEC[1],
+        },
+    }
+    cfg.cpu_offload_bytes = None
+    cfg.extra_args += ("--kv-transfer-config", json.dumps(ktc))
+
+
+def _run(mode: str, model: str, out: Path, *, executor: str = "mp") -> Run:
+    policy = None if mode == "native" else mode.split("-")[0]
+    journal = out / f"tp-{mode}.kvj" if policy else None
+    cfg = validation_config(model, policy, journal)
+    cfg.extra_args = (*TP2, "--distributed-executor-backend", executor)
+    cfg.env.update(TP2_ENV)
+    if policy == "ledger":
+        _late_rank(cfg)
+    server = Server(cfg, out / f"tp-{mode}.log").start()
+    outputs: list[Completion] = []
+    ready = False
+    try:
+        ready = server.wait_ready(timeout=400)
+        if ready:
+            for _ in range(2):
+                outputs += [server.complete(p, n) for p, n in validation_prompts()]
+                assert server.reset_prefix_cache()
+            time.sleep(0.5)  # the journal is written within milliseconds of each event
+    finally:
+        server.stop()
+    return Run(mode, server, ready, outputs, journal)
+
+
+@pytest.fixture(scope="module")
+def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    out = tmp_path_factory.mktemp("tp")
+    return {mode: _run(mode, model, out) for mode in ("native", "legacy", "ledger")}
+
+
+def _replay(journal: Path, *extra: str) -> tuple[int, str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvreplay.cli", "check", "--no-progress", str(journal), *extra],
+        capture_output=True,
+        text=True,
+    )
+    return r.returncode, r.stdout + r.stderr
+
+
+def _healthy(run: Run, *, ray: bool = False) -> None:
+    s = run.server
+    assert run.ready, f"{run.mode}: not ready:\n{s.log()[-3000:]}"
+    assert len(run.outputs) == 20 and all(c.ok for c in run.outputs), [c.status for c in run.outputs]
+    assert s.left_behind == [], f"processes left behind: {s.left_behind}"
+    assert s.shm_files() == [], f"KV files left in /dev/shm: {s.shm_files()}"
+    before_stop = s.log(before_stop=True)
+    if run.mode != "legacy":  # legacy's own I1 reports are ERROR lines by design
+        bad = [line for line in before_stop.splitlines() if ERROR_SIGNATURES.search(line)]
+        if ray:  # Ray's own start-up chatter (dashboard, usage stats) is not the server's
+            bad = [line for line in bad if "kvcached" in line or "Traceback" in line]
+        assert not bad, bad[:5]
+    active = [line for line in before_stop.splitlines() if ACTIVE_LINE in line]
+    if run.mode == "native":
+        assert not active
+    else:
+        assert len(active) == 1 and "backend=host" in active[0], active
+
+
+@pytest.mark.parametrize("mode", ["native", "legacy", "ledger"])
+def test_tp2_servers_are_healthy(runs: dict[str, Run], mode: str) -> None:
+    _healthy(runs[mode])
+
+
+def _same(native: list[Completion], ours: list[Completion]) -> None:
+    assert sum(c.cached_tokens or 0 for c in native[10:]) > 0, "native never loaded from the CPU tier"
+    for i, (a, b) in enumerate(zip(native, ours, strict=True)):
+        assert b.tokens == a.tokens, f"request {i}: {b.text!r} != native {a.text!r}"
+        assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
+        assert b.cached_tokens == a.cached_tokens, f"request {i}: cached {b.cached_tokens} != {a.cached_tokens}"
+
+
+def test_ledger_at_tp2_matches_native_exactly(runs: dict[str, Run]) -> None:
+    _same(runs["native"].outputs, runs["ledger"].outputs)
+
+
+def _reports(journal: Path) -> tuple[int, dict[int, list[int]]]:
+    """(workers in the header, job id -> the counts of its reports in journal order)."""
+    from kvcached.ledger.events import JobReported
+    from kvcached.ledger.journal import read_journal
+
+    trace = read_journal(journal)
+    counts: dict[int, list[int]] = {}
+    for ev in trace.events:
+        if isinstance(ev, JobReported):
+            counts.setdefault(ev.job, []).append(ev.count)
+    return trace.header.workers, counts
+
+
+def test_ledger_keeps_pages_until_both_ranks_reported(runs: dict[str, Run]) -> None:
+    run = runs["ledger"]
+    assert run.journal is not None
+    workers, reports = _reports(run.journal)
+    assert workers == 2
+    split = [job for job, counts in reports.items() if counts == [1, 1]]
+    assert reports and all(sum(c) == 2 for c in reports.values()), reports
+    assert len(split) == len(reports), f"rank 1 did not report late ({DELAY_STEPS} steps): {reports}"
+    rc, report = _replay(run.journal)
+    assert rc == 0 and "clean" in report and "0 outstanding" in report, report
+
+
+def test_legacy_at_tp2_shows_the_freed_block_copy(runs: dict[str, Run]) -> None:
+    run = runs["legacy"]
+    assert run.journal is not None
+    rc, report = _replay(run.journal)
+    assert rc == 1 and "I1" in report, report
+
+
+# --- elasticity: both ranks give memory back --------------------------------------------------------
+
+
+def _worker_pids(s: Server) -> list[int]:
+    import psutil
+
+    pids = []
+    for pid, p in s._processes().items():
+        with contextlib.suppress(psutil.Error):
+            if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name():
+                pids.append(pid)
+    return sorted(pids)
+
+
+def test_both_ranks_give_memory_back_after_a_prefix_cache_reset(model: str, tmp_path: Path) -> None:
+    env = {"KVCACHED_MAX_RESERVED_PAGES": "0", "KVCACHED_MIN_RESERVED_PAGES": "0", **TP2_ENV}
+    cfg = ServerConfig(
+        model=model, kvcached=True, env=env, kv_cache_bytes=128 << 20, cpu_offload_bytes=8 << 20, extra_args=TP2
+    )
+    with Server(cfg, tmp_path / "tp-elastic.log") as s:
+        assert s.wait_ready(timeout=400), s.log()[-3000:]
+        workers = _worker_pids(s)
+        assert len(workers) == 2, workers
+        before = [rss_bytes(w) for w in workers]
+        for i in range(8):  # ~1200 distinct tokens each, kept in the prefix cache
+            assert s.complete(" ".join(corpus(80, seed=100 + i))[:5000], 2).ok
+        loaded = [rss_bytes(w) for w in workers]
+        assert s.reset_prefix_cache()
+        time.sleep(1.0)  # the engine is idle: the unmaps went out through collective_rpc
+        after = [rss_bytes(w) for w in workers]
+    mib = 1 << 20
+    for rank, (b, lo, a) in enumerate(zip(before, loaded, after, strict=True)):
+        print(f"rank {rank} RSS MiB: {b // mib} -> load {lo // mib} -> reset {a // mib}")
+        assert lo - b > 24 * mib, f"rank {rank}: the load did not fill its KV cache"
+        assert lo - a > (lo - b) // 2, f"rank {rank} kept most of what the load added"
+
+
+# --- Ray ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed in this venv")
+def test_ray_executor_at_tp2_matches_native(runs: dict[str, Run], model: str, tmp_path: Path) -> None:
+    run = _run("ledger-ray", model, tmp_path, executor="ray")
+    _healthy(run, ray=True)
+    _same(runs["native"].outputs, run.outputs)
