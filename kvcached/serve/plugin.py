@@ -40,7 +40,7 @@ from ..service.live import default_socket_path
 from ..settings import Settings
 from ..version import KVCACHED_VERSION
 from ..vllm_bridge.engine import EngineConfig, assemble
-from . import checks, control, kv_memory
+from . import checks, control, kv_memory, step_channel
 
 log = logging.getLogger("vllm.kvcached")  # a child of vLLM's logger: vLLM's format and handlers
 _ALLOC_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
@@ -68,6 +68,7 @@ def register() -> None:
     _wrap_config(settings)
     _wrap_allocation(settings)
     _wrap_scheduler(settings)
+    _wrap_engine_core()
     _installed = settings
 
 
@@ -177,7 +178,9 @@ class EngineState:
     def __init__(self, scheduler: Any, settings: Settings) -> None:
         cfg = scheduler.kv_cache_config
         plan = kv_memory.plan(cfg, settings.page_bytes)
-        backend = kv_memory.attach(plan, key=kv_memory.engine_key())
+        # The workers own the KV memory; the scheduler's decisions reach them with each step.
+        backends = step_channel.attach_scheduler(scheduler, plan, kind="host" if _on_cpu() else "cuda")
+        backend = backends[0]
         geometry = plan.geometry
         block_size = int(scheduler.cache_config.block_size)
         cap = settings.max_cached_blocks(block_size)
@@ -202,8 +205,11 @@ class EngineState:
             max_reserved_pages=settings.max_reserved_pages,
             max_cached_blocks=cap,
             journal_service=service,
+            max_reserved_bytes=settings.max_reserved_bytes,
+            budget=settings.budget,
+            budget_bytes=settings.budget_bytes,
         )
-        self.engine = assemble(scheduler, geometry, (backend,), config)
+        self.engine = assemble(scheduler, geometry, backends, config)
         self.recorder = self.engine.recorder
         self.manager = self.engine.manager
         self.pool = self.engine.pool
@@ -222,7 +228,7 @@ class EngineState:
         flight = f"last {settings.flight_recorder_events} events" if settings.flight_recorder_events else "off"
         log.info(
             "[kvcached] active: backend=%s, page=%g MiB, policy=%s, journal=%s, offloading bridge=%s, "
-            "kvctl socket=%s, flight recorder=%s, KV: %s",
+            "kvctl socket=%s, flight recorder=%s, %s, budget=%s, KV: %s",
             backend.kind + (" (shared)" if getattr(backend, "shared", None) else ""),
             geometry.page_bytes / (1 << 20),
             settings.policy.value,
@@ -230,6 +236,8 @@ class EngineState:
             "on" if self.engine.offloading else "off",
             socket,
             flight,
+            self.engine.describe_reserve(),
+            settings.budget or "none",
             plan.describe(),
         )
 
@@ -241,6 +249,32 @@ class EngineState:
             self.engine.close()
         except KvcachedError as e:  # losing the trace must not fail the shutdown
             log.error("[kvcached] journal: %s", e)
+
+
+def _wrap_engine_core() -> None:
+    """Lets kvctl wake an idle engine core. An idle EngineCoreProc blocks on its input queue
+    (``EngineCoreProc._process_input_queue``), so a limit lowered then would wait for the next
+    request to step the engine, and the pages whose grace pins end at the next build would stay.
+    vLLM's own way to make that loop look again is a ``WAKEUP`` request on the queue (its signal
+    handler does the same); it steps only if the scheduler has work, which the bridge reports
+    while grace pins wait for a build (``Bridge.has_pending_push_work``)."""
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.__init__
+    if getattr(original, "_kvcached", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        state = getattr(getattr(self, "scheduler", None), "_kvcached", None)
+        queue = getattr(self, "input_queue", None)  # EngineCoreProc's; an in-process engine has none
+        if state is not None and queue is not None:
+            state.control.wake = lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    __init__._kvcached = True  # type: ignore[attr-defined]
+    EngineCore.__init__ = __init__  # type: ignore[method-assign,unused-ignore]
 
 
 def _wrap_scheduler(settings: Settings) -> None:
@@ -272,6 +306,7 @@ def _wrap_scheduler(settings: Settings) -> None:
     __init__._kvcached = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__  # type: ignore[method-assign,unused-ignore]
     Scheduler.shutdown = shutdown  # type: ignore[method-assign,unused-ignore]
+    step_channel.install_engine_core()  # an idle engine core still sends its pending page decisions
     control.lock_scheduler_methods(Scheduler, "_kvcached")
     try:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
