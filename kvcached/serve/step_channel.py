@@ -242,7 +242,9 @@ class WorkerPages:
             self._forget_warm_up()
             log.info(
                 "[kvcached] worker pid %d: %d pages x %d regions, mapped as the scheduler decides (step channel)",
-                os.getpid(), self.num_pages, self.regions,
+                os.getpid(),
+                self.num_pages,
+                self.regions,
             )
         if not ops:
             return

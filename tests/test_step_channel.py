@@ -1,0 +1,114 @@
+"""The step channel without vLLM: the scheduler's decisions as a batch, applied by a worker's range.
+
+The scheduler side is the real chain (``DecisionBackend`` per rank under a ``KVCacheManager``,
+the ``PageLog``); the worker side is ``WorkerPages`` over a host range made as the served
+worker makes it (``kv_memory.worker_backend``). The batches are pickled on their way, as vLLM
+pickles ``SchedulerOutput`` to its workers. What vLLM does with them (every rank, before the
+step, idle engines through ``collective_rpc``) is tests/serve/test_tp_e2e.py's.
+"""
+
+from __future__ import annotations
+
+import pickle
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvcached.errors import BackendError, ConfigError  # noqa: E402
+from kvcached.kv_cache_manager import KVCacheManager  # noqa: E402
+from kvcached.serve import kv_memory, step_channel  # noqa: E402
+
+PAGE = 1 << 20
+PLAN = kv_memory.KVPlan(num_blocks=30, block_bytes=128 << 10, page_bytes=PAGE, regions=3, vllm_size=30 * (128 << 10))
+
+
+@pytest.fixture
+def ranks() -> list[step_channel.WorkerPages]:
+    out = []
+    keys = [f"test-step-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    for key in keys:
+        b = kv_memory.worker_backend(PLAN, device=torch.device("cpu"), backend="auto", key=key)
+        b.tensor(torch.uint8).fill_(3)  # vLLM's warm-up writes the whole cache
+        out.append(step_channel.WorkerPages(b, PLAN))
+    yield out
+    for key in keys:
+        kv_memory.release(key)
+
+
+def _engine(policy: str = "legacy") -> tuple[KVCacheManager, step_channel.PageLog]:
+    g = PLAN.geometry
+    log = step_channel.PageLog(g.blocks_per_page)
+    backends = [step_channel.DecisionBackend(PAGE, "host", g.num_pages, log if r == 0 else None) for r in range(2)]
+    for b in backends:
+        b.reserve(g.backend_pages)
+    manager = KVCacheManager.standalone(g, backends[0], replicas=backends[1:], workers=2, policy=policy)
+    return manager, log
+
+
+def _send(log: step_channel.PageLog, ranks: list[step_channel.WorkerPages]) -> tuple[int, ...]:
+    message = pickle.loads(pickle.dumps(log.take()))
+    for r in ranks:
+        r.apply(message)
+    return message  # type: ignore[no-any-return]
+
+
+def test_decisions_reach_every_rank_in_every_region(ranks: list[step_channel.WorkerPages]) -> None:
+    manager, log = _engine()
+    g = PLAN.geometry
+    assert manager.page_cost == PAGE * g.regions * 2  # a page costs its bytes on both ranks
+    warm = ranks[0].backend.resident_bytes()
+    assert warm >= g.backend_pages * PAGE  # the warm-up's writes are resident
+    blocks = manager.alloc(17)  # 8 blocks a page: pages 0, 1, 2
+    assert not any(r.backend.mapped_count for r in ranks)  # nothing applied before the step
+    message = _send(log, ranks)
+    assert message == (1, g.blocks_per_page, 0, 1, 2)
+    for r in ranks:
+        b = r.backend
+        assert b.mapped_pages() == [reg * g.num_pages + p for reg in range(g.regions) for p in range(3)]
+        assert b.resident_bytes() <= 3 * g.regions * PAGE  # batch 1 dropped what warm-up wrote
+    manager.free(blocks)
+    assert ranks[0].backend.mapped_count == 3 * g.regions  # decided, not yet applied
+    message = _send(log, ranks)
+    assert message == (2, g.blocks_per_page, ~0, ~1, ~2)
+    assert all(r.backend.mapped_count == 0 and r.backend.resident_bytes() == 0 for r in ranks)
+    assert _send(log, ranks) == (3, g.blocks_per_page)  # a step with no decisions still counts
+
+
+def test_a_lost_batch_or_another_layout_is_refused(ranks: list[step_channel.WorkerPages]) -> None:
+    _manager, log = _engine()
+    _send(log, ranks)
+    log.take()  # an executor that dropped this one
+    with pytest.raises(step_channel.ChannelError, match="batch 3 reached this worker after batch 1"):
+        ranks[0].apply(log.take())
+    with pytest.raises(step_channel.ChannelError, match="puts 4 blocks on a page, this worker's KV layout 8"):
+        ranks[1].apply((2, 4))
+
+
+def test_the_unmap_waits_for_every_rank_under_ledger(ranks: list[step_channel.WorkerPages]) -> None:
+    """Under ``ledger`` a freed page waits for its grace build; the decision, and only it, rides."""
+    from kvcached.ledger.events import BuildBoundary
+
+    manager, log = _engine("ledger")
+    blocks = manager.alloc(8)
+    _send(log, ranks)
+    manager.free(blocks)
+    assert _send(log, ranks)[2:] == ()  # pinned: no unmap decided yet
+    assert all(r.backend.mapped_count == PLAN.regions for r in ranks)
+    for n in range(2):
+        manager.recorder.emit(BuildBoundary(n))
+        manager.drain_releasable()
+    assert _send(log, ranks)[2:] == (~0,)
+    assert all(r.backend.mapped_count == 0 for r in ranks)
+
+
+def test_decision_backends_hold_no_bytes() -> None:
+    b = step_channel.DecisionBackend(PAGE, "host", 4, None)
+    b.reserve(4)
+    b.map_page(0)
+    with pytest.raises(BackendError, match="already mapped"):
+        b.map_page(0)  # the backend contract holds on the scheduler's side too
+    with pytest.raises(ConfigError, match="the scheduler holds no KV bytes"):
+        b.tensor()
+    assert b.resident_bytes() == 0
