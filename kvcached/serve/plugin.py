@@ -219,7 +219,7 @@ class EngineState:
             scheduler, socket=socket, policy=settings.policy.value,
             versions={"vllm": _vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
         )
-        self.control = control.ServedEngine(self.engine, info, geometry.page_bytes * geometry.regions, timer)
+        self.control = control.ServedEngine(self.engine, info, self.engine.page_bytes, timer)
         self.lock = self.control.lock
         self.failed = self.control.failed
         if self.engine.service is not None:
