@@ -32,15 +32,22 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from ..backends.base import Backend
 from ..errors import ConfigError, KvcachedError
+from ..kv_cache_manager import KVGeometry
 
 if TYPE_CHECKING:
     import torch
 
-    from .kv_memory import KVPlan
+
+class KVPlan(Protocol):
+    """What this module needs of ``kv_memory.KVPlan`` (named so, without importing it: that
+    module imports this one)."""
+
+    @property
+    def geometry(self) -> KVGeometry: ...
 
 log = logging.getLogger("vllm.kvcached")
 
