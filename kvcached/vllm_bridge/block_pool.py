@@ -24,13 +24,15 @@ wraps the scheduler's live ``BlockPool`` instance (vLLM's classes stay untouched
   block be handed out twice later;
 * ``get_num_free_blocks`` counts what can really be handed out: the manager's available
   blocks plus the evictable cached ones (so a lowered memory limit is seen by the scheduler);
-* a shrink (a memory limit below what is mapped) evicts cached blocks so that whole pages
-  empty (``shrink``): pages none of whose blocks vLLM uses, the least recently used first, so
-  that an idle engine with a full prefix cache reaches its limit (it never did: the cache kept
-  every page in use). vLLM's LRU order over blocks would evict a block of every page and
-  empty none; ``eviction="lru"`` keeps that order, for ``benchmarks/bench_pages.py`` to compare.
-  It runs when the limit is set and, while the shrink is pending, whenever blocks join the
-  cache (a request that finishes), and evicts through vLLM's ``evict_blocks``, as the cache cap.
+* cached blocks are evicted by page, so that whole pages empty: a shrink (a memory limit
+  below what is mapped, ``shrink``) evicts the cached blocks of pages none of whose blocks
+  vLLM uses, so that an idle engine with a full prefix cache reaches its limit (it never did:
+  the cache kept every page in use), and the cache cap evicts as many blocks as vLLM's LRU
+  order would, chosen by page (the fewest live blocks, then the least recently used), so
+  that what it keeps sits on few pages. vLLM's LRU order over blocks takes a block of every
+  page and empties few; ``eviction="lru"`` keeps it, for ``benchmarks/bench_pages.py`` to
+  compare. A shrink runs when the limit is set and, while it is pending, whenever blocks join
+  the cache (a request that finishes); both evict through vLLM's ``evict_blocks``.
 
 The pool records no event of its own: the manager records the blocks it hands out and takes
 back, and the bridge records the prefix-cache reset (it wraps vLLM's reset underneath this
@@ -239,47 +241,64 @@ class PageAwarePool:
         """While a shrink is pending, evict cached blocks until the pages in use fit the limit,
         whole pages at a time; returns how many blocks were evicted.
 
-        A page can only be given back once no block of it is held, so the victims are pages on
-        which vLLM uses no block (the fewest live blocks, zero, first), oldest first by the most
-        recent use of any of their cached blocks (vLLM's LRU order, ``evictable``). Evicting a
-        cached block on a page vLLM still uses would cost a prefix hit and free no memory: such
-        pages go once their requests end (their blocks join the cache, and this runs again).
-        The emptied pages go back as the ledger lets them (a pin keeps a page mapped: grace for
-        one build, a job's pages until it is reported; kvcached PR #598 and its review P2)."""
+        A page can only be given back once no block of it is held, so the victims are the
+        cached blocks of pages on which vLLM uses no block (``_rank``); evicting a cached block
+        on a page vLLM still uses would cost a prefix hit and free no memory: such pages go
+        once their requests end (their blocks join the cache, and this runs again). The
+        emptied pages go back as the ledger lets them (a pin keeps a page mapped: grace for one
+        build, a job's pages until it is reported; kvcached PR #598 and its review P2)."""
         alloc = self.manager.allocator
         over = alloc.in_use - alloc.limit  # pages in use beyond the limit must empty
         if over <= 0 or not self.evictable:
             return 0
-        victims = self._lru_victims(over) if self.eviction == "lru" else self._page_victims(over)
+        if self.eviction == "lru":
+            victims = self._lru_victims(pages=over)
+        else:
+            whole = [bs for live, bs in self._rank() if not live]
+            victims = self._in_lru_order([b for bs in whole[:over] for b in bs])
         self._evict(victims)
         self.shrink_evictions += len(victims)
         return len(victims)
 
-    def _page_victims(self, pages: int) -> list[int]:
+    def _rank(self) -> list[tuple[int, list[int]]]:
+        """Pages with cached blocks, in the order their blocks are evicted: the fewest live
+        blocks first (a page with none empties when its cached blocks go), then the oldest by
+        the most recent use of any of its cached blocks (vLLM's LRU order, ``evictable``).
+        Each page with its live-block count and its cached blocks, oldest first. O(cached)."""
         page_of, held = self.manager.page_of, self.manager.allocated_on
-        cached: dict[int, list[int]] = {}  # page -> its evictable blocks, oldest first
-        age: dict[int, int] = {}  # page -> LRU rank of its most recently used cached block
+        cached: dict[int, list[int]] = {}
+        age: dict[int, int] = {}
         for rank, b in enumerate(self.evictable):
             p = page_of(b)
             cached.setdefault(p, []).append(b)
             age[p] = rank
-        # Live blocks = held by the manager but not evictable: vLLM uses them (or it is the null block).
-        whole = sorted((p for p, bs in cached.items() if held(p) == len(bs)), key=age.__getitem__)
-        return [b for p in whole[:pages] for b in cached[p]]
+        # Live = held by kvcached's manager but not evictable: in use by vLLM (or the null block).
+        pages = sorted(cached, key=lambda p: (held(p) - len(cached[p]), age[p]))
+        return [(held(p) - len(cached[p]), cached[p]) for p in pages]
 
-    def _lru_victims(self, pages: int) -> list[int]:
-        """vLLM's order: the least recently used blocks, until ``pages`` pages have emptied."""
+    def _in_lru_order(self, victims: list[int]) -> list[int]:
+        """``victims`` in vLLM's LRU order: evicting all of the cache then frees the blocks in
+        the order it always did (the golden traces keep no cache, and stay the same bytes)."""
+        if len(victims) == len(self.evictable):
+            return list(self.evictable)
+        chosen = set(victims)
+        return [b for b in self.evictable if b in chosen]
+
+    def _lru_victims(self, *, pages: int = 0, blocks: int = 0) -> list[int]:
+        """vLLM's order over blocks: the least recently used, until ``pages`` pages have emptied
+        or ``blocks`` blocks are chosen."""
         page_of, held = self.manager.page_of, self.manager.allocated_on
         left: dict[int, int] = {}
-        victims, emptied = [], 0
+        victims: list[int] = []
+        emptied = 0
         for b in self.evictable:
+            if (pages and emptied >= pages) or (blocks and len(victims) >= blocks):
+                break
             p = page_of(b)
             n = left.setdefault(p, held(p)) - 1
             left[p] = n
             victims.append(b)
             emptied += not n
-            if emptied >= pages:
-                break
         return victims
 
     def _evict(self, victims: list[int]) -> None:
@@ -290,24 +309,32 @@ class PageAwarePool:
         blocks = self.pool.blocks
         for b in victims:
             del self.evictable[b]
-        # Blocks released with unpin_blocks are being read until reused: tell their watchers.
-        vllm_internals.notify_reuse(self.pool, [blocks[b] for b in victims])
-        evict(set(victims))
+            # A block released with unpin_blocks is read until reused: tell its watcher first.
+            vllm_internals.notify_reuse(self.pool, [blocks[b]])
+            evict({b})
         self.manager.free(victims)
 
     def _cap_cache(self) -> None:
-        """Upstream's KVCACHED_MAX_CACHED_TOKENS: beyond it, cached blocks give their pages back."""
+        """Upstream's KVCACHED_MAX_CACHED_TOKENS: beyond it, cached blocks give their pages back.
+
+        As many blocks go as in vLLM's LRU order, but chosen by page (``_rank``), so that the
+        blocks kept sit on as few pages as possible: an idle engine keeps the cap's blocks on
+        about cap / blocks-per-page pages instead of one of every page it touched (upstream
+        kvcached issue #359, fixed there by PR #390 in the same spirit)."""
         cap = self.max_cached_blocks
         if cap is None or len(self.evictable) <= cap:
             return
-        gone = []
-        evict = self._orig["evict_blocks"]  # vLLM's: drops the hashes, with its events and metrics
-        while len(self.evictable) > cap:
-            b, _ = self.evictable.popitem(last=False)
-            vllm_internals.notify_reuse(self.pool, [self.pool.blocks[b]])
-            evict({b})
-            gone.append(b)
-        self.manager.free(gone)
+        k = len(self.evictable) - cap
+        if self.eviction == "lru" or k == len(self.evictable):
+            victims = self._lru_victims(blocks=k)
+        else:
+            victims = []
+            for _, bs in self._rank():
+                victims += bs[: k - len(victims)]  # a page's oldest cached blocks first
+                if len(victims) == k:
+                    break
+            victims = self._in_lru_order(victims)
+        self._evict(victims)
 
 
 EVICTION = ("page", "lru")

@@ -167,3 +167,26 @@ def test_the_bridge_goes_on_before_the_page_aware_pool() -> None:
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None)
     with pytest.raises(ConfigError, match="before its page-aware pool"):
         install_bridge(scheduler, m.recorder, offloading=False)
+
+
+def test_a_shrink_evicts_whole_pages_the_oldest_first_and_spares_pages_in_use() -> None:
+    """Victims by page: a page vLLM still uses keeps its cached blocks (evicting them would free
+    nothing); of the others, the one used longest ago goes first; vLLM's hash map forgets what
+    went, and a watcher of a released block is told."""
+    pool, m, w = setup()
+    a = pool.get_new_blocks(11)  # page 0: null, 1-3; page 1: 4-7; page 2: 8-11
+    cache(pool, a)
+    reused = []
+    live = a[3]  # block 4, on page 1: still in use
+    pool.free_blocks([b for b in a if b is not live and b.block_id not in (8, 9)])
+    pool.unpin_blocks([a[7], a[8]], reused.append)  # 8, 9: released, being read until reused
+    assert set(w.evictable) == {1, 2, 3, 5, 6, 7, 8, 9, 10, 11}
+    pool.touch([a[0]])  # block 1 used again: page 0 is the most recently used
+    pool.free_blocks([a[0]])
+    st = m.set_limit_pages(2)
+    assert st.in_use == 3 and w.shrink() == 4  # page 2 only: page 1 has a live block, page 0 is newer
+    assert reused == [a[7], a[8]] and all(pool.blocks[b].block_hash is None for b in (8, 9, 10, 11))
+    index = pool.cached_block_hash_to_block
+    assert [b for b in range(1, 12) if index.get_one_block((b"h%d" % b, 0)) is None] == [8, 9, 10, 11]
+    assert {m.page_of(b) for b in w.evictable} == {0, 1} and m.state().in_use == 2
+    assert w.disagreements() == []

@@ -4,8 +4,11 @@ A shrink used to free only pages already empty: an idle engine whose prefix cach
 on every page stayed over a lowered limit for good (498 of 900 randomized runs). The page-aware
 pool now evicts cached blocks whole pages at a time, through vLLM's own ``evict_blocks``, and
 the pages go as the ledger lets them. With ``PageAwarePool.shrink`` made a no-op (the old code)
-the first three tests fail: the idle engine stays at 11 pages (all in use) over a limit of 3,
-the one with running requests at 16, and the comparison's shrink never finishes.
+the shrink tests fail: the idle engine stays at 11 pages (all in use) over a limit of 3, the
+one with running requests at 16, the comparison's shrink never finishes, and the budget's A
+keeps 14 pages over a limit of 2. The cache cap's test fails under the old LRU choice
+(``eviction="lru"``). The budget test fails with the budget left out of the allocator's count
+of available pages (B maps as an overdraft: the budget is exceeded).
 """
 
 from __future__ import annotations
@@ -76,7 +79,10 @@ class Elastic:
         assert self.e.ledger.violations == []
 
     def close(self) -> None:
+        if self.h is None:
+            return
         self.h.close()
+        self.h = None  # type: ignore[assignment]
         if self.engine is not None:
             self.engine.close()
         for b in self.backends:
@@ -132,6 +138,24 @@ def test_page_aware_eviction_keeps_more_of_the_cache_than_lru(elastic) -> None:
     assert kept["page"] > kept["lru"], kept
 
 
+def test_the_cache_cap_keeps_its_blocks_on_few_pages(elastic) -> None:
+    """KVCACHED_MAX_CACHED_TOKENS: as many blocks evicted as in LRU order, chosen by page, so an
+    idle engine keeps the cap's blocks packed (upstream kvcached issue #359: LRU leaves them
+    scattered, one page each). Under the old LRU choice (``eviction="lru"``, as before) the idle
+    engine keeps more pages mapped than the packed floor."""
+    mapped = {}
+    for eviction in ("page", "lru"):
+        x = elastic(EngineConfig(max_cached_blocks=8))
+        x.e.pool.eviction = eviction
+        for i in range(6):  # staggered decode lengths: the cached blocks of a request spread
+            x.h.add_request(prompt=x.h.make_prompt(60 + 7 * i, seed=i), max_tokens=3 + 9 * i)
+        x.h.run_until_idle()
+        assert len(x.e.pool.evictable) == 8
+        x.check_consistent()
+        mapped[eviction] = x.e.memory().mapped
+    assert mapped["page"] <= 8 // PAGE_BLOCKS + 1 < mapped["lru"], mapped
+
+
 def test_a_shrink_waiting_on_running_requests_finishes_when_they_end(elastic) -> None:
     x = elastic()
     x.fill_cache()
@@ -171,3 +195,47 @@ def test_bytes_and_the_reserve_in_bytes(elastic) -> None:
     assert y.e.describe_reserve().startswith("reserve 3..3 pages = ")
     line = y.e.memory().describe()
     assert "\n" not in line and " = " in line and "limit" in line
+
+
+def test_two_engines_on_one_budget_share_it(elastic, tmp_path) -> None:
+    """A fills its prefix cache and holds most of the budget; B's request does not fit what is
+    left, so B sees too few free blocks and waits (no error); A's limit is lowered, its cache
+    evicted by page and its pages given back; B maps them and serves; the budget is never over."""
+    from kvcached.budget import budget_usage
+
+    d = tmp_path / "budgets"
+    d.mkdir(mode=0o700)
+    common = dict(max_cached_blocks=None, budget="gpu0", budget_dir=str(d))
+    a = elastic(EngineConfig(**common))
+    cost = a.e.page_bytes
+    a.fill_cache(8)
+    held = a.e.budget.held
+    size = held + 3 * cost  # B's null-block page and two more
+    b = elastic(EngineConfig(**common, budget_bytes=size))
+    used = []
+
+    def sample() -> None:
+        used.append(budget_usage("gpu0", directory=str(d)).used)
+
+    prompt = b.h.make_prompt(200, seed=99)  # 13 blocks: 4 pages, more than B can get
+    rid = b.h.add_request(prompt=prompt, max_tokens=3)
+    for _ in range(3):
+        b.h.step()
+        sample()
+    assert b.h.output_tokens(rid) == [] and b.e.memory().mapped <= 3
+    st = a.e.set_limit_bytes(2 * cost)
+    assert st.limit == 2
+    while a.h.busy():  # grace pins end at A's next builds
+        a.h.step()
+        sample()
+    assert a.e.memory().mapped <= 2 and a.e.budget.held == a.e.memory().mapped_bytes
+    while b.h.busy():
+        b.h.step()
+        sample()
+    assert b.h.output_tokens(rid) == b.h.model.continuation(prompt, 3)
+    assert max(used) <= size and a.e.manager.allocator.overdrafts == b.e.manager.allocator.overdrafts == 0
+    a.check_consistent()
+    b.check_consistent()
+    a.close()
+    b.close()
+    assert budget_usage("gpu0", directory=str(d)).engines == ()  # both left, shares given back
