@@ -339,3 +339,20 @@ def validation_prompts(seed: int = 0) -> list[tuple[str, int]]:
     for i in range(4):
         out.append((" ".join(corpus(12 + 6 * i, seed=seed + 40 + i)), 1 if i % 2 == 0 else 4))
     return out
+
+
+def kv_resident_bytes(pid: int) -> int:
+    """Resident bytes of kvcached's KV memory in one process: the ``Rss`` of its mappings of
+    kvcached's ``/dev/shm`` KV files (the path stays in smaps after the file is unlinked). Unlike
+    the process's whole RSS, this moves only with KV pages, not with the allocator's other
+    buffers, which grow with the first large batches and are never given back."""
+    total = 0
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: range perms ... path
+                inside = "/dev/shm/kvcached-kv-" in line
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
