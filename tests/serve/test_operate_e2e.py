@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvcached.testing.e2e import ERROR_SIGNATURES, Completion, Server, ServerConfig, rss_bytes
+from kvcached.testing.e2e import ERROR_SIGNATURES, Completion, Server, ServerConfig, kv_resident_bytes, rss_bytes
 from kvcached.testing.tiny_model import build, corpus
 
 pytestmark = pytest.mark.vllm
@@ -80,10 +80,10 @@ def _serve(model: str, out: Path, kvcached: bool, runtime: Path) -> tuple[list[C
     try:
         assert server.wait_ready(), server.log()[-3000:]
         worker = server.worker_pid()
-        seen["rss_start"] = rss_bytes(worker)
+        seen["rss_start"], seen["kv_start"] = rss_bytes(worker), kv_resident_bytes(worker)
         for p in _fill_prompts():
             outputs.append(server.complete(p, 2))
-        seen["rss_full"] = rss_bytes(worker)
+        seen["rss_full"], seen["kv_full"] = rss_bytes(worker), kv_resident_bytes(worker)
         steady = _steady_prompts()
         for i, (p, n) in enumerate(steady):
             if kvcached and i == 2:
@@ -106,7 +106,7 @@ def _serve(model: str, out: Path, kvcached: bool, runtime: Path) -> tuple[list[C
             outputs.append(server.complete(p, n))
         if kvcached:
             time.sleep(1.0)
-            seen["rss_limited"] = rss_bytes(worker)
+            seen["rss_limited"], seen["kv_limited"] = rss_bytes(worker), kv_resident_bytes(worker)
             seen["status_limited"] = _kvctl(runtime, "status", "--json")
             seen["why"] = _kvctl(runtime, "why", "0", "--json")
             seen["raised"] = _kvctl(runtime, "limit", "none", "--json")
@@ -161,12 +161,15 @@ def test_a_halved_limit_under_load_gives_memory_back_and_changes_no_output(serve
     for i, (a, b) in enumerate(zip(native, ours, strict=True)):
         assert b.tokens == a.tokens, f"request {i}: {b.text!r} != native {a.text!r}"
         assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
-    full, limited, start = seen["rss_full"], seen["rss_limited"], seen["rss_start"]
-    print(f"worker RSS MiB: start {start // MiB}, full {full // MiB}, after limit {KV // 2 // MiB}M: {limited // MiB}")
-    assert full - start > KV // 2, "the load did not fill the KV cache beyond the limit"
+    full, limited = seen["kv_full"], seen["kv_limited"]
+    rss = [seen[k] // MiB for k in ("rss_start", "rss_full", "rss_limited")]
+    print(f"worker KV resident MiB: start {seen['kv_start'] // MiB}, full {full // MiB}, "
+          f"after a limit of {KV // 2 // MiB} MiB: {limited // MiB}; whole RSS MiB: {rss}")
+    assert full > KV // 2, "the load did not fill the KV cache beyond the limit"
     mem = seen["status_limited"]["memory"]
     assert not mem["shrink_pending"] and mem["mapped_bytes"] <= KV // 2, mem
-    assert limited - start <= KV // 2 + 16 * MiB, "the worker's memory did not follow the limit"
+    # The worker's own KV memory, not the scheduler's opinion of it: what its mappings hold.
+    assert limited <= KV // 2, "the worker's memory did not follow the limit"
     assert seen["raised"]["limit_bytes"] >= KV - mem["page_bytes"]
 
 
