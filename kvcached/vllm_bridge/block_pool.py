@@ -58,6 +58,76 @@ class PoolAgreementError(KvcachedError):
     would make them disagree (or hand a block out twice), before either side changes."""
 
 
+class CachedBlocks(OrderedDict[int, None]):
+    """The evictable blocks in vLLM's LRU order (oldest first), indexed by page, so that eviction
+    by page ranks the pages holding cached blocks, not every cached block (a cap of 16,000
+    tokens is 1,000 blocks, ranked on every free past the cap). ``stamp`` orders blocks as the
+    dict does; ``on_page`` holds each page's cached blocks in that order."""
+
+    def __init__(self, page_of: Callable[[int], int]) -> None:
+        super().__init__()
+        self._page_of = page_of
+        self.stamp: dict[int, int] = {}
+        self.on_page: dict[int, dict[int, None]] = {}
+        self._hi = self._lo = 0
+
+    def __setitem__(self, b: int, v: None) -> None:
+        if b in self:  # as OrderedDict: setting a present key keeps its place
+            return
+        super().__setitem__(b, v)
+        self._hi += 1
+        self.stamp[b] = self._hi
+        self.on_page.setdefault(self._page_of(b), {})[b] = None
+
+    def _forget(self, b: int) -> None:
+        del self.stamp[b]
+        p = self._page_of(b)
+        blocks = self.on_page[p]
+        del blocks[b]
+        if not blocks:
+            del self.on_page[p]
+
+    def __delitem__(self, b: int) -> None:
+        super().__delitem__(b)
+        self._forget(b)
+
+    def pop(self, b: int, *default: Any) -> Any:
+        if b in self:
+            super().pop(b)
+            self._forget(b)
+            return None
+        if default:
+            return default[0]
+        raise KeyError(b)
+
+    def popitem(self, last: bool = True) -> tuple[int, None]:
+        b, v = super().popitem(last)
+        self._forget(b)
+        return b, v
+
+    def clear(self) -> None:
+        super().clear()
+        self.stamp.clear()
+        self.on_page.clear()
+
+    def move_to_end(self, b: int, last: bool = True) -> None:
+        super().move_to_end(b, last)
+        p = self._page_of(b)
+        del self.on_page[p][b]
+        if last:
+            self._hi += 1
+            self.stamp[b] = self._hi
+            self.on_page[p][b] = None
+        else:
+            self._lo -= 1
+            self.stamp[b] = self._lo
+            self.on_page[p] = {b: None, **self.on_page[p]}
+
+    def newest(self, page: int) -> int:
+        """The stamp of the most recently used cached block of ``page``."""
+        return self.stamp[next(reversed(self.on_page[page]))]
+
+
 class PageAwarePool:
     """The wrapper's state: which blocks kvcached holds, and the evictable (cached) ones."""
 
@@ -72,7 +142,7 @@ class PageAwarePool:
         self.eviction = eviction
         self.shrink_evictions = 0  # cached blocks evicted for a shrink (a counter for benchmarks)
         # Held blocks with ref_cnt 0 that vLLM may evict, oldest first (vLLM's LRU order).
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.evictable = CachedBlocks(manager.page_of)
         self._orig: dict[str, Callable[..., Any]] = {}
         # While vLLM's own code runs (its reset, its get_new_blocks), it checks its free count
         # against its own queue, which holds every free block, kvcached's or not.
@@ -254,35 +324,27 @@ class PageAwarePool:
         if self.eviction == "lru":
             victims = self._lru_victims(pages=over)
         else:
-            whole = [bs for live, bs in self._rank() if not live]
-            victims = self._in_lru_order([b for bs in whole[:over] for b in bs])
+            whole = [p for live, p in self._rank() if not live][:over]
+            victims = self._in_lru_order([b for p in whole for b in self.evictable.on_page[p]])
         self._evict(victims)
         self.shrink_evictions += len(victims)
         return len(victims)
 
-    def _rank(self) -> list[tuple[int, list[int]]]:
-        """Pages with cached blocks, in the order their blocks are evicted: the fewest live
-        blocks first (a page with none empties when its cached blocks go), then the oldest by
-        the most recent use of any of its cached blocks (vLLM's LRU order, ``evictable``).
-        Each page with its live-block count and its cached blocks, oldest first. O(cached)."""
-        page_of, held = self.manager.page_of, self.manager.allocated_on
-        cached: dict[int, list[int]] = {}
-        age: dict[int, int] = {}
-        for rank, b in enumerate(self.evictable):
-            p = page_of(b)
-            cached.setdefault(p, []).append(b)
-            age[p] = rank
-        # Live = held by kvcached's manager but not evictable: in use by vLLM (or the null block).
-        pages = sorted(cached, key=lambda p: (held(p) - len(cached[p]), age[p]))
-        return [(held(p) - len(cached[p]), cached[p]) for p in pages]
+    def _rank(self) -> list[tuple[int, int]]:
+        """Pages with cached blocks, in the order their blocks are evicted, each with its count
+        of live blocks: the fewest live blocks first (a page with none empties when its cached
+        blocks go), then the oldest by the most recent use of any of its cached blocks (vLLM's
+        LRU order, ``evictable``). O(pages with cached blocks), not O(cached blocks)."""
+        held, cached = self.manager.allocated_on, self.evictable.on_page
+        ranked = sorted((held(p) - len(bs), self.evictable.newest(p), p) for p, bs in cached.items())
+        return [(live, p) for live, _, p in ranked]
 
     def _in_lru_order(self, victims: list[int]) -> list[int]:
         """``victims`` in vLLM's LRU order: evicting all of the cache then frees the blocks in
         the order it always did (the golden traces keep no cache, and stay the same bytes)."""
         if len(victims) == len(self.evictable):
             return list(self.evictable)
-        chosen = set(victims)
-        return [b for b in self.evictable if b in chosen]
+        return sorted(victims, key=self.evictable.stamp.__getitem__)
 
     def _lru_victims(self, *, pages: int = 0, blocks: int = 0) -> list[int]:
         """vLLM's order over blocks: the least recently used, until ``pages`` pages have emptied
@@ -329,8 +391,11 @@ class PageAwarePool:
             victims = self._lru_victims(blocks=k)
         else:
             victims = []
-            for _, bs in self._rank():
-                victims += bs[: k - len(victims)]  # a page's oldest cached blocks first
+            for _, p in self._rank():
+                for b in self.evictable.on_page[p]:  # a page's oldest cached blocks first
+                    victims.append(b)
+                    if len(victims) == k:
+                        break
                 if len(victims) == k:
                     break
             victims = self._in_lru_order(victims)
