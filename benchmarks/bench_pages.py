@@ -7,6 +7,14 @@ entirely free; kvcached's page-aware pool fills partly used pages first. Both ru
 lengths, prefix caching on) and count, after every step, the pages of ``PAGE_BLOCKS`` blocks
 that hold no block in use or cached: pages an elastic allocator could give back.
 
+Then eviction, page-aware against vLLM's LRU order over blocks (``eviction="lru"``), side by
+side on one workload with shared prefixes (system prompts) and staggered decode lengths, which
+upstream kvcached found to scatter cached blocks over pages (its issue #359): with a cache cap,
+the idle footprint (pages still mapped once the load ends and the pins drain) against the
+packed floor; with a memory limit lowered mid-load and again when idle, the blocks each
+evicts to reach it; and for both, the prefix-cache hit rate (prompt tokens found in the GPU
+prefix cache, from vLLM's own lookup) over the load.
+
     .venv-vllm/bin/python benchmarks/bench_pages.py [--seed 0] [--steps 300]
 """
 
@@ -58,14 +66,15 @@ def run(paged: bool, seed: int, steps: int, max_cached_blocks: int | None = None
         state["engine"] = assemble(scheduler, g, [backend], EngineConfig(max_cached_blocks=max_cached_blocks))
 
     h = Harness(CFG, kv_memory=memory, on_scheduler_built=built)
-    h._forward = lambda rank, so: None  # type: ignore[method-assign]  # bytes do not matter here
     rng = random.Random(seed)
     counts = []
     try:
         for i in range(steps):
             for _ in range(rng.choice((0, 0, 1, 2))):
-                h.add_request(prompt=h.make_prompt(rng.randint(16, 400), seed=rng.randrange(10**6)),
-                              max_tokens=rng.randint(1, 120))
+                h.add_request(
+                    prompt=h.make_prompt(rng.randint(16, 400), seed=rng.randrange(10**6)),
+                    max_tokens=rng.randint(1, 120),
+                )
             h.step()
             counts.append(empty_pages(h.scheduler.kv_cache_manager.block_pool, state["page_blocks"]))
             del i
@@ -79,11 +88,143 @@ def run(paged: bool, seed: int, steps: int, max_cached_blocks: int | None = None
             state["backend"].close()
 
 
+# --- eviction: page-aware against vLLM's LRU order -----------------------------------------------
+
+FAMILIES = 6  # shared system prompts
+
+
+class Run:
+    """One engine under the eviction workload, its figures."""
+
+    def __init__(self, eviction: str, seed: int, cap: int | None) -> None:
+        self.eviction, self.seed, self.cap = eviction, seed, cap
+        self.state: dict[str, Any] = {}
+        self.hits: dict[str, int] = {}  # request -> local prefix-cache hit tokens, last lookup
+        self.prompt_tokens = 0
+        self.h = Harness(CFG, kv_memory=self._memory, on_scheduler_built=self._built)
+        kvm = self.h.scheduler.kv_cache_manager
+        for name in ("get_computed_blocks", "get_computed_blocks_for_connector"):
+            orig = getattr(kvm, name)
+
+            def lookup(request: Any, *a: Any, _orig: Any = orig, **k: Any) -> Any:
+                out = _orig(request, *a, **k)
+                self.hits[request.request_id] = int(out[1])
+                return out
+
+            setattr(kvm, name, lookup)
+
+    def _memory(self, num_blocks: int, block_bytes: int) -> torch.Tensor:
+        self.state["block_bytes"] = block_bytes
+        return torch.zeros((num_blocks, block_bytes), dtype=torch.uint8)
+
+    def _built(self, scheduler: Any) -> None:
+        bb = self.state["block_bytes"]
+        g = KVGeometry(num_blocks=CFG.num_gpu_blocks, block_bytes=bb, page_bytes=bb * PAGE_BLOCKS)
+        backend = self.state["backend"] = HostBackend(page_bytes=g.page_bytes)
+        self.engine = assemble(scheduler, g, [backend], EngineConfig(max_cached_blocks=self.cap))
+        assert self.engine.pool is not None
+        self.engine.pool.eviction = self.eviction
+
+    def load(self, steps: int, *, limit_at: int | None = None, limit_pages: int = 0) -> None:
+        """Requests with one of a few system prompts; some continue an earlier conversation
+        (its prompt, what it generated, a new turn), whose blocks hit only if still cached."""
+        rng = random.Random(self.seed)
+        systems = [self.h.make_prompt(rng.randint(64, 256), seed=1000 + f) for f in range(FAMILIES)]
+        earlier: list[tuple[list[int], str]] = []
+        for i in range(steps):
+            for _ in range(rng.choice((0, 0, 1, 2))):
+                turn = self.h.make_prompt(rng.randint(8, 120), seed=rng.randrange(10**6))
+                if earlier and rng.random() < 0.5:
+                    prev, rid = earlier[-rng.randint(1, min(len(earlier), 40))]
+                    prompt = prev + self.h.output_tokens(rid) + turn
+                else:
+                    prompt = systems[rng.randrange(FAMILIES)] + turn
+                prompt = prompt[: CFG.max_model_len - 130]
+                self.prompt_tokens += len(prompt)
+                earlier.append((prompt, self.h.add_request(prompt=prompt, max_tokens=rng.randint(1, 120))))
+            if i == limit_at:
+                self.engine.set_limit_bytes(limit_pages * self.engine.page_bytes)
+            self.h.step()
+        self.h.run_until_idle(max_steps=2000)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.hits.values()) / max(1, self.prompt_tokens)
+
+    @property
+    def evicted(self) -> int:
+        assert self.engine.pool is not None
+        return self.engine.pool.shrink_evictions
+
+    def close(self) -> None:
+        self.engine.close()
+        self.h.close()
+        self.state["backend"].close()
+
+
+def eviction_rows(seed: int, steps: int) -> None:
+    total = -(-CFG.num_gpu_blocks // PAGE_BLOCKS)
+    cap = 128
+    floor = -(-cap // PAGE_BLOCKS) + 1  # the cap's blocks packed, and the null block's page
+    print(
+        f"\neviction by page vs vLLM's LRU order over blocks (seed {seed}, {steps} steps of load, {FAMILIES} "
+        f"shared system prompts, decode lengths 1..120; {total} pages of {PAGE_BLOCKS} blocks)"
+    )
+    print(f"{'':34}{'page-aware':>14}{'LRU':>14}")
+    runs = {e: Run(e, seed, cap) for e in ("page", "lru")}
+    try:
+        for r in runs.values():
+            r.load(steps)
+        idle = {e: r.engine.memory().mapped for e, r in runs.items()}
+        head = f"cap {cap} blocks: idle pages mapped"
+        print(f"{head:34}{idle['page']:14d}{idle['lru']:14d}   (packed floor {floor})")
+        print(f"{'  pages given back':34}{total - idle['page']:14d}{total - idle['lru']:14d}")
+        hit = {e: r.hit_rate for e, r in runs.items()}
+        print(f"{'  prefix-cache hit rate':34}{hit['page']:14.1%}{hit['lru']:14.1%}")
+    finally:
+        for r in runs.values():
+            r.close()
+    limit = total // 4
+    runs = {e: Run(e, seed, None) for e in ("page", "lru")}
+    try:
+        for r in runs.values():
+            r.load(steps, limit_at=steps // 2, limit_pages=limit)
+        for e, r in runs.items():
+            assert not r.engine.memory().shrink_pending, (e, r.engine.memory().describe())
+        ev = {e: r.evicted for e, r in runs.items()}
+        print(f"{f'limit {limit} pages mid-load: evicted':34}{ev['page']:14d}{ev['lru']:14d}   blocks, both reach it")
+        hit = {e: r.hit_rate for e, r in runs.items()}
+        print(f"{'  prefix-cache hit rate':34}{hit['page']:14.1%}{hit['lru']:14.1%}")
+        kept = {e: len(r.engine.pool.evictable) for e, r in runs.items()}  # type: ignore[union-attr]
+        print(f"{'  cached blocks kept at the end':34}{kept['page']:14d}{kept['lru']:14d}")
+        for r in runs.values():  # idle with a full cache: a lower limit still
+            r.engine.set_limit_bytes(None)
+        before = {}
+        for e, r in runs.items():
+            r.seed += 1
+            r.load(steps // 3)
+            before[e] = len(r.engine.pool.evictable)  # type: ignore[union-attr]
+            r.engine.pool.shrink_evictions = 0  # type: ignore[union-attr]
+            r.engine.set_limit_bytes(limit // 2 * r.engine.page_bytes)
+            r.h.run_until_idle()
+            assert r.engine.memory().mapped <= limit // 2
+        kept = {e: len(r.engine.pool.evictable) for e, r in runs.items()}  # type: ignore[union-attr]
+        print(f"{f'idle, limit {limit // 2} pages: cached before':34}{before['page']:14d}{before['lru']:14d}   blocks")
+        print(f"{'  cached blocks kept':34}{kept['page']:14d}{kept['lru']:14d}")
+    finally:
+        for r in runs.values():
+            r.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--part", choices=("all", "empty", "eviction"), default="all")
     args = ap.parse_args()
+    if args.part == "eviction":
+        eviction_rows(args.seed, args.steps)
+        return 0
     rows = {
         "vLLM's own pool": run(False, args.seed, args.steps),
         "page-aware, cache kept": run(True, args.seed, args.steps),
@@ -94,6 +235,8 @@ def main() -> int:
     print(f"pages with no block in use or cached, over {args.steps} steps (seed {args.seed}; {total} pages in all)")
     for name, c in rows.items():
         print(f"{name:36} mean {statistics.mean(c):6.1f}   median {statistics.median(c):5.0f}   min {min(c):4d}")
+    if args.part == "all":
+        eviction_rows(args.seed, args.steps)
     return 0
 
 
