@@ -136,8 +136,10 @@ class Engine:
         state. A limit below what is mapped starts a shrink: reserved pages go as the ledger
         lets them, cached blocks are evicted by page so that pages empty (``PageAwarePool.
         shrink``), pages with blocks in use go when their requests end. A page emptied now
-        still waits for its grace pin, which ends at the connector's next build (the bridge
-        keeps an idle engine stepping for it through ``has_pending_push_work``).
+        still waits for its grace pin, which ends at the connector's next build: the bridge
+        keeps the engine stepping for it (``has_pending_push_work``), but vLLM's engine core
+        asks that only when woken, so a caller on an idle engine wakes it (any request or
+        utility call) for the pages to go; without a KV connector no build ever ends a grace.
         Not thread-safe: call it where nothing else drives the scheduler."""
         manager, pool = self._paged()
         if n is not None and n < 0:

@@ -239,3 +239,18 @@ def test_two_engines_on_one_budget_share_it(elastic, tmp_path) -> None:
     a.close()
     b.close()
     assert budget_usage("gpu0", directory=str(d)).engines == ()  # both left, shares given back
+
+
+def test_bad_limits_and_no_pool_are_one_clear_error(elastic) -> None:
+    from kvcached.errors import ConfigError
+
+    x = elastic()
+    with pytest.raises(ConfigError, match="must be >= 0 bytes"):
+        x.e.set_limit_bytes(-1)
+    assert x.e.set_limit_bytes(0).limit == 0  # below one page: nothing may be mapped
+    plain = elastic(EngineConfig(page_aware=False))
+    with pytest.raises(ConfigError, match="no page-aware pool"):
+        plain.e.memory()
+    assert plain.e.describe_reserve() == "reserve: none (vLLM's own block pool)"
+    with pytest.raises(ConfigError, match="needs the page-aware pool"):
+        EngineConfig(page_aware=False, budget="gpu0")
