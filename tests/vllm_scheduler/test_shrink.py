@@ -254,3 +254,36 @@ def test_bad_limits_and_no_pool_are_one_clear_error(elastic) -> None:
     assert plain.e.describe_reserve() == "reserve: none (vLLM's own block pool)"
     with pytest.raises(ConfigError, match="needs the page-aware pool"):
         EngineConfig(page_aware=False, budget="gpu0")
+
+
+@pytest.mark.parametrize("policy", ["ledger", "legacy"])
+def test_eviction_for_a_shrink_keeps_pages_that_store_jobs_still_read(elastic, policy) -> None:
+    """Requests end with their stores still being copied (the worker reports 6 steps late and
+    copies only then); the limit drops to one page at once, so their cached blocks are evicted
+    while the stores are out. Under ``ledger`` the job pins keep those pages mapped until the
+    copies are done, and the prefix loaded back from the CPU tier is byte for byte what was
+    written; under ``legacy`` (pages go as soon as they are empty) the same run unmaps pages
+    under the copies: I1 violations and wrong bytes, which shows the test sees the bug."""
+    from kvcached.ledger.events import Policy
+
+    x = elastic(EngineConfig(policy=Policy(policy), max_cached_blocks=None))
+    x.h.delay_worker(0, 6)
+    prompts = [x.h.make_prompt(100, seed=i) for i in range(3)]
+    for p in prompts:
+        x.h.add_request(prompt=p, max_tokens=2)
+    while x.h.scheduler.has_unfinished_requests():
+        x.h.step()
+    assert x.e.ledger.outstanding_jobs() > 0  # stores still being copied
+    x.e.set_limit_bytes(x.e.page_bytes)
+    x.h.run_until_idle()
+    assert not x.e.memory().shrink_pending and x.e.memory().mapped <= 1
+    x.e.set_limit_bytes(None)
+    rid = x.h.add_request(prompt=prompts[0], max_tokens=1)  # its prefix loads from the CPU tier
+    x.h.run_until_idle()
+    assert x.h.load_checks, "the prefix must come back from the CPU tier"
+    wrong = x.h.verify_loads()
+    if policy == "ledger":
+        x.check_consistent()
+        assert wrong == [] and x.h.output_tokens(rid) == x.h.model.continuation(prompts[0], 1)
+    else:
+        assert {v.invariant for v in x.e.ledger.violations} == {"I1"} and wrong
