@@ -383,7 +383,11 @@ class LedgerService:
             if v.invariant in self._dumped_invariants:
                 continue
             self._dumped_invariants.add(v.invariant)
-            log.error("kvcached: invariant %s violated: %s", v.invariant, v.one_line())
+            if replica.lossy:  # a gap: the replica missed events, so this may be an artifact of it
+                log.info("kvcached: invariant %s violated after %d dropped events (may come from the gap): %s",
+                         v.invariant, replica.dropped_events, v.one_line())
+            else:
+                log.error("kvcached: invariant %s violated: %s", v.invariant, v.one_line())
             if self.flight is not None:
                 await self._save_flight(f"{v.invariant} at event {v.index}", v.invariant)
 
