@@ -20,11 +20,14 @@ while its server runs ends so) but it is what a crashed run leaves, so the repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import io
 import json
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any, Final
 
 import msgspec
@@ -53,6 +56,24 @@ class CheckResult:
     ends: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """The cyclic garbage collector off while a trace is decoded and applied.
+
+    A frame decodes to tens of thousands of events whose block tuples the collector tracks;
+    it would walk them (and the ledger's growing tables) again and again, about 2% of a pure
+    Python replay by callgrind's count, and collect nothing: decoding and applying events
+    make no reference cycles, so reference counting frees every frame as the next one comes
+    (memory stays flat in the trace's length, as benchmarks/bench_replay.py measures)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def run_check(
     path: str,
     *,
@@ -63,8 +84,9 @@ def run_check(
 ) -> CheckResult:
     with Trace(path, progress=progress, note=False) as trace:
         ledger, skip = start_ledger(trace, policy, snapshot)
-        for batch in trace.batches(skip, "checking", require_events=True):
-            feed(ledger, batch, derived)
+        with _no_cycle_collection():
+            for batch in trace.batches(skip, "checking", require_events=True):
+                feed(ledger, batch, derived)
         return CheckResult(
             path=path,
             ledger=ledger,
