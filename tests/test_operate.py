@@ -162,11 +162,12 @@ def test_list_status_and_limit_honour_blocks_in_use(
     manager.drain_releasable()
     code, out, _ = kv(capsys, "status")
     assert "grace" in out  # under ledger, freed pages wait for the next build: status says so
-    manager.recorder.emit(BuildBoundary(manager.recorder.ledger.build + 1))
+    manager.recorder.emit(BuildBoundary(manager.recorder.ledger.build))  # the open build closes
     manager.drain_releasable()
     code, out, _ = kv(capsys, "-e", str(os.getpid()), "status", "--json")
     mem = json.loads(out)["memory"]
     assert not mem["shrink_pending"] and mem["mapped_pages"] <= 4, mem
+    assert manager.recorder.ledger.violations == []
     code, out, _ = kv(capsys, "limit-percent", "100", "--json")
     assert code == 0 and json.loads(out)["limit_pages"] == manager.allocator.num_pages
     code, out, _ = kv(capsys, "limit", "none", "--json")

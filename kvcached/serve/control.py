@@ -75,6 +75,37 @@ def lock_scheduler_methods(cls: type, state_attr: str) -> None:
         setattr(cls, name, make(original, name))
 
 
+def close_builds_without_connector(scheduler: Any, engine: Any, lock: threading.RLock) -> None:
+    """An engine without a KV connector has no builds (``build_connector_meta`` is never
+    called), so the ledger's grace pins, which end at the next build, would keep every freed
+    page mapped for good. With no connector there is no copy that a build could have captured a
+    freed block for; each scheduler call that frees blocks therefore closes the open build
+    itself, under the engine's lock, as the bridge's ``build_connector_meta`` does with one."""
+    from ..ledger.events import BuildBoundary
+
+    recorder, manager = engine.recorder, engine.manager
+    ledger = recorder.ledger
+
+    def closing(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if ledger.pending_grace_pages():
+                        recorder.emit(BuildBoundary(ledger.build))
+                        if manager is not None:
+                            manager.drain_releasable()
+
+        return call
+
+    for name in ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"):
+        original = getattr(scheduler, name, None)
+        if original is not None:
+            setattr(scheduler, name, closing(original))
+
+
 class MapTimer:
     """Counts and times a backend's maps and unmaps (for ``/metrics``) by wrapping the bound
     methods of one backend instance; the manager keeps calling them as before."""
@@ -138,10 +169,22 @@ class ServedEngine:
             else:
                 pages = manager.allocator.num_pages if size is None else size // self.page_cost
                 manager.set_limit_pages(pages)
+            if not getattr(self.engine, "offloading", True):
+                self.close_build()
             status = self._status()
         if status.shrink_pending and self.wake is not None:
             self.wake()  # pages emptied now may wait for a build: an idle engine must take one
         return status
+
+    def close_build(self) -> None:
+        """Without a connector: close the open build so that pages freed by the shrink go now
+        (see ``close_builds_without_connector``); the caller holds the lock."""
+        from ..ledger.events import BuildBoundary
+
+        ledger = self.engine.recorder.ledger
+        if ledger.pending_grace_pages():
+            self.engine.recorder.emit(BuildBoundary(ledger.build))
+            self.engine.manager.drain_releasable()
 
     def _status(self) -> MemoryStatus:
         manager = self.engine.manager

@@ -222,6 +222,8 @@ class EngineState:
         self.control = control.ServedEngine(self.engine, info, self.engine.page_bytes, timer)
         self.lock = self.control.lock
         self.failed = self.control.failed
+        if not self.engine.offloading and self.engine.manager is not None:
+            control.close_builds_without_connector(scheduler, self.engine, self.lock)
         if self.engine.service is not None:
             self.engine.service.service.control = self.control
         atexit.register(self.close)
