@@ -128,7 +128,7 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]
     info = messages.EngineInfo(model="tiny-llama", pid=os.getpid(), api_pid=None, port=8123, socket=sock,
                                started_unix=0.0, policy="ledger", vllm="-", kvcached="-")
-    bg.service.control = ServedEngine(eng, info, PAGE, None)
+    bg.service.control = ServedEngine(eng, info, PAGE)
     try:
         yield sock, manager
     finally:
@@ -254,7 +254,7 @@ def test_a_failing_scheduler_call_saves_the_flight_recorder_before_it_raises(tmp
 
     info = messages.EngineInfo(model="m", pid=os.getpid(), api_pid=None, port=None, socket="-", started_unix=0.0,
                                policy="ledger", vllm="-", kvcached="-")
-    served = ServedEngine(Engine(), info, PAGE, None)
+    served = ServedEngine(Engine(), info, PAGE)
 
     class Scheduler:  # the shape of vLLM's: the plugin wraps the real class the same way
         def __init__(self) -> None:

@@ -106,44 +106,15 @@ def close_builds_without_connector(scheduler: Any, engine: Any, lock: threading.
             setattr(scheduler, name, closing(original))
 
 
-class MapTimer:
-    """Counts and times a backend's maps and unmaps (for ``/metrics``) by wrapping the bound
-    methods of one backend instance; the manager keeps calling them as before."""
-
-    def __init__(self, backend: Any) -> None:
-        self.maps = self.unmaps = 0
-        self.map_seconds = self.unmap_seconds = 0.0
-        map_page, unmap_page = backend.map_page, backend.unmap_page
-        clock = time.perf_counter
-
-        def timed_map(slot: int) -> None:
-            t = clock()
-            map_page(slot)
-            self.map_seconds += clock() - t
-            self.maps += 1
-
-        def timed_unmap(slot: int) -> None:
-            t = clock()
-            unmap_page(slot)
-            self.unmap_seconds += clock() - t
-            self.unmaps += 1
-
-        try:
-            backend.map_page, backend.unmap_page = timed_map, timed_unmap
-        except AttributeError:  # a backend with slots: no timings, nothing else lost
-            log.debug("kvcached: %s cannot be timed", type(backend).__name__)
-
-
 class ServedEngine:
     """The ``EngineControl`` of one engine core (``service.messages``): its identity, its memory
     and its limit, each under the engine's lock."""
 
-    def __init__(self, engine: Any, info: EngineInfo, page_cost: int, timer: MapTimer | None) -> None:
+    def __init__(self, engine: Any, info: EngineInfo, page_cost: int) -> None:
         self.engine = engine
         self.lock = threading.RLock()
         self._info = info
         self.page_cost = page_cost  # bytes one page costs: one page in every region of every backend
-        self._timer = timer
         self._failed = False
         self.wake: Callable[[], None] | None = None  # steps an idle engine core (set by the plugin)
 
@@ -188,20 +159,16 @@ class ServedEngine:
 
     def _status(self) -> MemoryStatus:
         manager = self.engine.manager
-        t = self._timer
-        timings: dict[str, Any] = {}
-        if t is not None:
-            timings = dict(maps=t.maps, map_seconds=t.map_seconds, unmaps=t.unmaps, unmap_seconds=t.unmap_seconds)
         if manager is None:
             return MemoryStatus(
                 page_bytes=self.page_cost, num_pages=0, mapped_pages=0, in_use_pages=0, reserved_pages=0,
-                limit_pages=0, shrink_pending=False, waiting_on={}, reason="vLLM's own block pool", **timings,
+                limit_pages=0, shrink_pending=False, waiting_on={}, reason="vLLM's own block pool",
             )
         st = manager.state()
         return MemoryStatus(
             page_bytes=self.page_cost, num_pages=manager.allocator.num_pages, mapped_pages=st.mapped,
             in_use_pages=st.in_use, reserved_pages=st.reserved, limit_pages=st.limit,
-            shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason, **timings,
+            shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason,
         )
 
     def failed(self, where: str, exc: BaseException) -> None:

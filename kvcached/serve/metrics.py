@@ -97,7 +97,7 @@ class Collector:
             yield reply
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         labels = ["model_name", "engine"]
 
@@ -119,8 +119,8 @@ class Collector:
         events = counter("events", "Ledger events the service took from the scheduler")
         written = counter("journal_events_written", "Ledger events written to the journal")
         dropped = counter("events_dropped", "Ledger events dropped by a full hand-off (journaled as gaps)")
-        map_s = SummaryMetricFamily("vllm:kvcached_page_map_seconds", "Time to map a page", labels=labels)
-        unmap_s = SummaryMetricFamily("vllm:kvcached_page_unmap_seconds", "Time to unmap a page", labels=labels)
+        maps = counter("page_maps", "Pages mapped (each in every layer and worker)")
+        unmaps = counter("page_unmaps", "Pages unmapped")
         for st in self.statuses():
             eng = st.engine
             assert eng is not None
@@ -135,6 +135,8 @@ class Collector:
                 pinned.add_metric([*lv, kind], st.pinned_by_kind.get(kind, 0))
             if st.ledger is not None:
                 jobs.add_metric(lv, st.ledger.outstanding_jobs)
+                maps.add_metric(lv, st.ledger.maps)
+                unmaps.add_metric(lv, st.ledger.unmaps)
                 pages.add_metric([*lv, "pinned"], st.ledger.pinned_pages)
                 pages.add_metric([*lv, "releasable"], st.ledger.releasable_pages)
             m = st.memory
@@ -147,7 +149,5 @@ class Collector:
                 pages.add_metric([*lv, "reserved"], m.reserved_pages)
                 for reason, n in sorted(m.waiting_on.items()):
                     waiting.add_metric([*lv, reason], n)
-                map_s.add_metric(lv, m.maps, m.map_seconds)
-                unmap_s.add_metric(lv, m.unmaps, m.unmap_seconds)
         yield from (up, limit, capacity, mapped, pages, pinned, waiting, jobs, violations, events, written, dropped)
-        yield from (map_s, unmap_s)
+        yield from (maps, unmaps)

@@ -184,7 +184,6 @@ class EngineState:
         geometry = plan.geometry
         block_size = int(scheduler.cache_config.block_size)
         cap = settings.max_cached_blocks(block_size)
-        timer = control.MapTimer(backend)
         # The service runs in every engine (live socket, replica, flight recorder); the journal,
         # if any, is written by its thread, off the scheduler's path, within ``flush_interval`` of
         # each event: vLLM kills the engine core at shutdown without calling the scheduler's
@@ -219,7 +218,7 @@ class EngineState:
             scheduler, socket=socket, policy=settings.policy.value,
             versions={"vllm": _vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
         )
-        self.control = control.ServedEngine(self.engine, info, self.engine.page_bytes, timer)
+        self.control = control.ServedEngine(self.engine, info, self.engine.page_bytes)
         self.lock = self.control.lock
         self.failed = self.control.failed
         if not self.engine.offloading and self.engine.manager is not None:

@@ -365,7 +365,7 @@ class LiveServer:
                     policy=lg.policy.value, index=lg.index, build=lg.build, num_pages=lg.num_pages,
                     mapped_pages=lg.mapped_pages, pinned_pages=lg.pinned_pages, releasable_pages=len(lg.releasable),
                     outstanding_jobs=lg.outstanding_jobs(), violations=len(lg.violations), lossy=lg.lossy,
-                    dropped_events=lg.dropped_events,
+                    dropped_events=lg.dropped_events, maps=lg.maps, unmaps=lg.unmaps,
                 )
             by_invariant: dict[str, int] = {}
             by_kind: dict[str, int] = {}

@@ -89,6 +89,8 @@ class LedgerCounts(msgspec.Struct, frozen=True, kw_only=True):
     violations: int
     lossy: bool  # a gap was applied: the counts may be off by what was dropped
     dropped_events: int  # the sum of the gaps applied
+    maps: int = 0  # pages mapped so far (PageMapped events)
+    unmaps: int = 0
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,10 +120,6 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     shrink_pending: bool
     waiting_on: dict[str, int]  # what a pending shrink waits for -> pages
     reason: str  # one line: within the limit, or what the shrink waits on
-    maps: int = 0
-    map_seconds: float = 0.0
-    unmaps: int = 0
-    unmap_seconds: float = 0.0
 
     @property
     def mapped_bytes(self) -> int:

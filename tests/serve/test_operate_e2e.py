@@ -180,7 +180,7 @@ def test_metrics_carry_kvcached_series_that_agree_with_kvctl(served: dict[str, A
     assert len(mapped) == 1 and next(iter(mapped.values())) == st["memory"]["mapped_bytes"], (mapped, st["memory"])
     limit = _series(text, "vllm:kvcached_memory_limit_bytes")
     assert next(iter(limit.values())) == st["memory"]["limit_bytes"]
-    assert _series(text, "vllm:kvcached_engine_up") and _series(text, "vllm:kvcached_page_map_seconds_count")
+    assert _series(text, "vllm:kvcached_engine_up") and _series(text, "vllm:kvcached_page_maps_total")
     assert "vllm:kvcached_pages{" in text and 'state="in_use"' in text
     bad = [line for line in seen["log"].splitlines() if ERROR_SIGNATURES.search(line)]
     assert not bad, bad[:5]
