@@ -172,6 +172,19 @@ def _wrap_allocation(settings: Settings) -> None:
 # --- engine core: page-aware pool, bridge, journal -------------------------------------------------
 
 
+def service_config(settings: Settings, socket: str) -> ServiceConfig:
+    """The ledger service of a served engine (the bridge benchmark measures the same one)."""
+    return ServiceConfig(
+        journal=settings.journal,
+        replica=True,
+        snapshot_every=1_000_000 if settings.journal else 0,
+        flush_interval=0.005,
+        socket=socket,
+        flight_events=settings.flight_recorder_events,
+        dump_dir=settings.dump_dir,
+    )
+
+
 class EngineState:
     """What kvcached holds in the engine-core process for one scheduler."""
 
@@ -189,15 +202,7 @@ class EngineState:
         # each event: vLLM kills the engine core at shutdown without calling the scheduler's
         # shutdown, so nothing may wait for a final flush.
         socket = default_socket_path()
-        service = ServiceConfig(
-            journal=settings.journal,
-            replica=True,
-            snapshot_every=1_000_000 if settings.journal else 0,
-            flush_interval=0.005,
-            socket=socket,
-            flight_events=settings.flight_recorder_events,
-            dump_dir=settings.dump_dir,
-        )
+        service = service_config(settings, socket)
         config = EngineConfig(
             policy=settings.policy,
             min_reserved_pages=settings.min_reserved_pages,
