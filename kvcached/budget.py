@@ -105,7 +105,8 @@ def _own_dir(path: str) -> None:
 
 
 def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks after boot); None if no such process; 0 if unknown."""
+    """The process's start time (clock ticks after boot); None if no such process or a zombie;
+    0 if unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -115,6 +116,11 @@ def _start_time(pid: int) -> int | None:
         return 0
     # comm (field 2) may hold spaces and parentheses: fields after the last ')' are plain.
     fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        # Dead, only its exit status left: an engine core killed with SIGKILL is reparented to
+        # pid 1, and a container's pid 1 that is not an init never reaps it (seen here: its
+        # /proc entry stays, start time and all), so its share would be held for good.
+        return None
     return int(fields[19])  # field 22 of the whole line
 
 

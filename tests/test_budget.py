@@ -4,7 +4,9 @@ Each check trips on the bug it is for: with the dead-share reclaim taken out of
 ``_Files.locked`` (``live = state.shares``), ``test_a_sigkilled_engines_share_is_reclaimed``,
 ``test_a_reused_pid_is_not_taken_for_the_engine`` and
 ``test_engines_starting_and_stopping_concurrently`` fail; with the start time left out of
-``_alive`` (pid alone), ``test_a_reused_pid_is_not_taken_for_the_engine`` does.
+``_alive`` (pid alone), ``test_a_reused_pid_is_not_taken_for_the_engine`` does; with zombies taken
+for live processes (``_start_time`` without its state check),
+``test_a_sigkilled_engine_left_a_zombie_is_reclaimed`` does.
 """
 
 from __future__ import annotations
@@ -117,6 +119,28 @@ def test_a_sigkilled_engines_share_is_reclaimed(bdir) -> None:
         assert u.used == 0  # a dead engine's bytes count for nothing
         assert me.try_acquire(10 * MiB)  # and the next change drops its share
         assert [e.pid for e in budget_usage("gpu0", directory=bdir).engines] == [os.getpid()]
+    finally:
+        other.end()
+        me.close()
+
+
+def test_a_sigkilled_engine_left_a_zombie_is_reclaimed(bdir) -> None:
+    """A killed engine nobody reaps (its parent gone, a container's pid 1 that is no init) keeps
+    its /proc entry, start time and all, as a zombie: it is dead, and its share goes."""
+    me = Budget.open("gpu0", 10 * MiB, directory=bdir)
+    other = Child("gpu0", bdir)
+    try:
+        assert other.ask(f"take {9 * MiB}") == "True"
+        other.p.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # not waited for: a zombie until end() reaps it
+            with open(f"/proc/{other.p.pid}/stat", "rb") as f:
+                if f.read().rpartition(b")")[2].split()[0] == b"Z":
+                    break
+            time.sleep(0.01)
+        u = budget_usage("gpu0", directory=bdir)
+        assert [(e.pid, e.alive) for e in u.engines if e.pid == other.p.pid] == [(other.p.pid, False)]
+        assert me.try_acquire(10 * MiB)
     finally:
         other.end()
         me.close()
