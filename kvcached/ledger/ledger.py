@@ -123,18 +123,20 @@ class Ledger(LedgerQueries):
         # written out once more, so that an event costs no call of ``apply`` itself. The handlers
         # are called as methods, not bound to locals: compiled by mypyc a method call is native
         # and a local bound method a generic Python call.
+        # The classes bound to locals: a module global is a dict lookup per use, pure or compiled.
         t = self.tables
+        reported, alloc, built, free, boundary = JobReported, BlockAlloc, JobBuilt, BlockFree, BuildBoundary
         for event in events:
             k = type(event)
-            if k is JobReported:
+            if k is reported:
                 self._job_reported(event)  # type: ignore[arg-type]
-            elif k is BlockAlloc:
+            elif k is alloc:
                 self._block_alloc(event)  # type: ignore[arg-type]
-            elif k is JobBuilt:
+            elif k is built:
                 self._job_built(event)  # type: ignore[arg-type]
-            elif k is BlockFree:
+            elif k is free:
                 self._block_free(event)  # type: ignore[arg-type]
-            elif k is BuildBoundary:
+            elif k is boundary:
                 self._build_boundary(event)  # type: ignore[arg-type]
             else:
                 self._dispatch[k](event)
