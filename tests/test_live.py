@@ -368,6 +368,11 @@ def test_kvctl_pins_status_why_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         threading.Thread(target=later).start()
         rc, text = kvctl_run("tail", "--count", "7")
         assert rc == 0 and [int(line.split()[0]) for line in text.splitlines()] == list(range(5000, 5007))
+        threading.Thread(target=later).start()
+        rc, text = kvctl_run("tail", "--count", "3", "--json")
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert rc == 0 and [r["index"] for r in rows] == [5100, 5101, 5102]
+        assert [r["type"] for r in rows] == [type(e).__name__ for e in TRACE[5000:5003]]  # put again
 
 
 def test_kvctl_errors_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,7 +40,7 @@ import msgspec
 
 from kvcached.budget import NAME, BudgetUsage, budget_usage, set_budget_size
 from kvcached.errors import KvcachedError
-from kvcached.ledger.events import describe
+from kvcached.ledger.events import Event, describe
 from kvcached.service import live, messages
 from kvcached.settings import format_size, parse_size
 from kvcached.version import KVCACHED_VERSION
@@ -179,13 +179,21 @@ def cmd_why(path: str, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _event_json(index: int, ev: Event) -> str:
+    fields = {f: getattr(ev, f) for f in ev.__struct_fields__}
+    return msgspec.json.encode({"index": index, "type": type(ev).__name__, **fields}).decode()
+
+
 def cmd_tail(path: str, args: argparse.Namespace, out: TextIO) -> int:
     left = args.count
     for first, events in live.tail(path, timeout=args.timeout):
         if left is not None:
             events = events[:left]
             left -= len(events)
-        out.write("".join(f"{first + i:>10}  {describe(ev)}\n" for i, ev in enumerate(events)))
+        if args.json:  # one JSON object per line: the event's fields, its type and global index
+            out.write("".join(_event_json(first + i, ev) + "\n" for i, ev in enumerate(events)))
+        else:
+            out.write("".join(f"{first + i:>10}  {describe(ev)}\n" for i, ev in enumerate(events)))
         out.flush()
         if left is not None and left <= 0:
             break
@@ -493,6 +501,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tail", help="events as the service journals them (Ctrl-C to stop)",
                        description="Ledger events as they happen, one per line.")
     t.add_argument("--count", type=_whole(1, "a number of events"), help="stop after N events")
+    t.add_argument("--json", action="store_true", help="one JSON object per event and line")
     lim = sub.add_parser("limit", help="set an engine's KV memory limit (512M, 2G, none)", description=(
         "Set the engine's KV memory limit, in bytes with an optional unit (512M, 2G, 1.5GiB) or 'none'. A lower "
         "limit shrinks now as far as pins allow (a page a copy may still read stays until it is released); "
