@@ -210,8 +210,10 @@ def _steer_engine_core(core: Any, page_log: PageLog) -> None:
     @functools.wraps(set_limit)
     def set_limit_and_wake(size: int | None) -> Any:
         status = set_limit(size)
-        if page_log.pending:
-            queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        # Always: pages that wait for a grace build need a step, which an engine blocked on its
+        # input queue only takes once woken (it asks has_requests() then); decisions already
+        # taken go out through has_work() above.
+        queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
         return status
 
     control.set_limit = set_limit_and_wake
