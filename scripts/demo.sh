@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The main job: `vllm serve` (vLLM's CPU build) with kvcached and CPU offloading on, against
-# native vLLM with the same flags, on kvcached PR #598's validation load; then the run's journal
-# replayed with kvreplay beside the golden journal of the same load under `legacy`.
-# Makes .venv and .venv-cpu on first use (about 2 minutes), then runs in about 3 minutes.
+# native vLLM with the same flags, on kvcached PR #598's validation load (a correctness table);
+# then two kvcached engines on one memory budget smaller than their two KV caches, each growing
+# into what the other gave back, against native vLLM (a memory timeline, demo_out/elastic.png);
+# then the run's journal replayed with kvreplay beside the golden journal of the same load under
+# `legacy`. Makes .venv and .venv-cpu on first use (about 2 minutes), then runs in about
+# 10 minutes on a 2-core machine (--skip-elastic: the correctness part only, about half).
 #
-#   bash scripts/demo.sh               # the served run (model, logs, journal in demo_out/)
+#   bash scripts/demo.sh               # the served run (model, logs, journal, plot in demo_out/)
 #   bash scripts/demo.sh trace [NAME]  # replay a golden trace only (default finish-in-write-step)
 source "$(dirname "$0")/_env.sh"
 if [ "${1:-}" = trace ]; then
