@@ -35,6 +35,7 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, KvcachedError
+from ..ledger.compiled import compiled_status
 from ..service.ledger_service import ServiceConfig
 from ..service.live import default_socket_path
 from ..settings import Settings
@@ -231,6 +232,9 @@ class EngineState:
         if self.engine.service is not None:
             self.engine.service.service.control = self.control
         atexit.register(self.close)
+        slow = compiled_status()
+        if slow is not None:
+            log.warning("%s", slow)
         flight = f"last {settings.flight_recorder_events} events" if settings.flight_recorder_events else "off"
         log.info(
             "[kvcached] active: backend=%s, page=%g MiB, policy=%s, journal=%s, offloading bridge=%s, "
