@@ -96,8 +96,8 @@ def correct_part(native: Server, ours: Server, console: Console) -> tuple[int, i
     kv = native.config.kv_cache_bytes
     console.print(
         f"KV memory of the workers after the run: native vLLM {kv // MiB} MiB (its whole KV cache, allocated "
-        f"at start and held for good), kvcached {ours_kv / MiB:.1f} MiB resident (the pages mapped now: "
-        "this run keeps no prefix cache, so an idle engine holds about one page)."
+        f"at start and held for good), kvcached {ours_kv / MiB:.1f} MiB resident (its KV pages mapped now: "
+        "this run keeps no prefix cache, so the idle engine has given its pages back)."
     )
     console.print(
         f"[dim]Whole worker RSS: native {rss['native'] // MiB} MiB, kvcached {rss['kvcached'] // MiB} MiB: "
