@@ -69,7 +69,9 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 # `replay` and `testing` extras), and kvctl, which prints plain text when rich is missing.
 OPTIONAL_USERS = {
     "rich": ("kvreplay", "kvcached.testing", "kvcached.service.kvctl"),
-    "matplotlib": ("kvreplay.plot",),
+    # kvcached.testing.elastic: the main job's timeline plot, imported lazily (no plot without it);
+    # the demo's .venv-cpu gets it from the `test` extra.
+    "matplotlib": ("kvreplay.plot", "kvcached.testing.elastic"),
     "psutil": ("kvcached.testing",),
 }
 
