@@ -71,6 +71,9 @@ def check_config(
             f"kvcached needs vLLM's mp, uni or ray executor, not {name}: drop --distributed-executor-backend "
             "or disable kvcached"
         )
+    if on_cpu and executor == "ray":
+        # vLLM's CPU platform refuses Ray (ray_utils.initialize_ray_cluster): one line now, not its traceback.
+        raise ConfigError("vLLM's CPU build does not run the ray executor: use mp (the default) or uni")
     _check_connector(vllm_config.kv_transfer_config, on_cpu=on_cpu)
     if on_cpu:
         # The host backend shares the KV cache through /dev/shm: refuse now, not with SIGBUS on

@@ -12,14 +12,13 @@ load (tests/serve/test_serve_e2e.py), at TP=2 with vLLM's ``mp`` executor:
 * ``legacy``: the journal shows I1 (the freed-block copy), the check above tripping;
 * elasticity: after a load and a prefix-cache reset (the engine then idle), both ranks give back
   every KV page but the null block's, and their processes' resident memory falls as much;
-* with vLLM's Ray executor (``--distributed-executor-backend ray``), if ray is installed: the
-  ledger server's completions equal native's again.
+* vLLM's Ray executor (``--distributed-executor-backend ray``) is refused by vLLM's CPU platform
+  itself, so its test is kept but skipped here (it would compare with native again).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import re
 import subprocess
@@ -252,7 +251,10 @@ def test_both_ranks_give_memory_back_after_a_prefix_cache_reset(model: str, tmp_
 # --- Ray ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed in this venv")
+@pytest.mark.skip(
+    reason="vLLM's CPU platform refuses Ray (ray_utils.initialize_ray_cluster: 'current platform cpu does not "
+    "support ray'; tried with ray 2.60.0 from the index); kvcached's path is the same as under mp"
+)
 def test_ray_executor_at_tp2_matches_native(native: Run, model: str, tmp_path: Path) -> None:
     run = _run("ledger-ray", model, tmp_path, executor="ray")
     _healthy(run, ray=True)
