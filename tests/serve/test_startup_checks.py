@@ -173,3 +173,12 @@ def test_server_refuses_in_one_line(
     for name in env.keys() - {v.name for v in SETTINGS}:  # a misspelt name: one warning line
         assert (r.stderr + r.stdout).count(f"variable {name} (ignored)") == 1, (r.stderr + r.stdout)[-3000:]
     assert r.stderr.rstrip().splitlines()[-1].startswith("kvcached"), r.stderr[-500:]
+
+
+def test_ray_on_the_cpu_build_is_refused_in_one_line(model: str) -> None:
+    cfg = _config(model)
+    cfg.parallel_config.distributed_executor_backend = "ray"
+    on = Settings.from_env({"ENABLE_KVCACHED": "1"})
+    with pytest.raises(ConfigError, match="does not run the ray executor: use mp"):
+        checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
+    checks.check_config(cfg, on, version="0.33.0", on_cpu=False)  # on GPUs vLLM runs it, and so does kvcached
