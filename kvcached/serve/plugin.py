@@ -267,24 +267,26 @@ def _wrap_engine_core() -> None:
     request to step the engine, and the pages whose grace pins end at the next build would stay.
     vLLM's own way to make that loop look again is a ``WAKEUP`` request on the queue (its signal
     handler does the same); it steps only if the scheduler has work, which the bridge reports
-    while grace pins wait for a build (``Bridge.has_pending_push_work``)."""
+    while grace pins wait for a build (``Bridge.has_pending_push_work``). Hooked where the busy
+    loop starts, not in the constructor: a spawned engine core runs this ``register`` from inside
+    ``EngineCore.__init__`` (``load_general_plugins``), too late to wrap the constructor running."""
     from vllm.v1.engine import EngineCoreRequestType
-    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core import EngineCoreProc
 
-    original = EngineCore.__init__
+    original = EngineCoreProc.run_busy_loop
     if getattr(original, "_kvcached", False):
         return
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+    def run_busy_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
         state = getattr(getattr(self, "scheduler", None), "_kvcached", None)
-        queue = getattr(self, "input_queue", None)  # EngineCoreProc's; an in-process engine has none
+        queue = getattr(self, "input_queue", None)
         if state is not None and queue is not None:
             state.control.wake = lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        return original(self, *args, **kwargs)
 
-    __init__._kvcached = True  # type: ignore[attr-defined]
-    EngineCore.__init__ = __init__  # type: ignore[method-assign,unused-ignore]
+    run_busy_loop._kvcached = True  # type: ignore[attr-defined]
+    EngineCoreProc.run_busy_loop = run_busy_loop  # type: ignore[method-assign,unused-ignore]
 
 
 def _wrap_scheduler(settings: Settings) -> None:

@@ -162,25 +162,28 @@ def flush_on_worker(_worker: Any, message: tuple[int, ...]) -> None:
 
 
 def install_engine_core() -> None:
-    """Wrap ``EngineCoreProc.__init__`` (vllm/v1/engine/core.py, 0.32 and 0.33): once the engine
-    core is built, its ``has_work`` is shadowed so that an engine about to wait for requests
-    first sends pending decisions through ``collective_rpc``, and ``kvctl limit`` wakes it
-    (vLLM's own ``WAKEUP`` sentinel on its input queue) so that it does."""
+    """Wrap ``EngineCoreProc.run_busy_loop`` (vllm/v1/engine/core.py, 0.32 and 0.33): before the
+    loop starts, the engine core's ``has_work`` is shadowed so that an engine about to wait for
+    requests first sends pending decisions through ``collective_rpc``, and ``kvctl limit`` wakes
+    it (vLLM's own ``WAKEUP`` sentinel on its input queue) so that it does. Not its ``__init__``:
+    a spawned engine core loads vLLM's plugins (so runs kvcached's ``register``) from inside
+    ``EngineCore.__init__``, too late to wrap the constructor already running; the busy loop is
+    looked up on the class when it starts, after that."""
     from vllm.v1.engine.core import EngineCoreProc
 
-    original = EngineCoreProc.__init__
-    if getattr(original, "_kvcached", False):
+    original = EngineCoreProc.run_busy_loop
+    if getattr(original, "_kvcached_steer", False):
         return
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+    def run_busy_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
         page_log = getattr(self.scheduler, "_kvcached_pages", None)
         if page_log is not None:
             _steer_engine_core(self, page_log)
+        return original(self, *args, **kwargs)
 
-    __init__._kvcached = True  # type: ignore[attr-defined]
-    EngineCoreProc.__init__ = __init__
+    run_busy_loop._kvcached_steer = True  # type: ignore[attr-defined]
+    EngineCoreProc.run_busy_loop = run_busy_loop  # type: ignore[method-assign,unused-ignore]
 
 
 def _steer_engine_core(core: Any, page_log: PageLog) -> None:

@@ -2,8 +2,8 @@
 
 The scenario is ``kvcached.testing.elastic`` (the main job shows the same run): engines A and B
 name one budget of 80 MiB, less than their two 64 MiB KV caches. A is loaded until it holds most
-of the budget, limited while idle with a full prefix cache (``kvctl limit A 8M``; where kvctl's
-own wake-up does not step the idle engine core, a utility call does: see the xfail), B is loaded
+of the budget, limited while idle with a full prefix cache (``kvctl limit A 8M``, which wakes the idle engine
+core itself; the scenario's fallback poke must not be needed), B is loaded
 far beyond what was left, A's limit is lifted and A serves again; then B is limited, A fills the
 budget, and A is killed with SIGKILL while it holds its pages: B, loaded again, must map A's
 share within ``KILL_BOUND_S``. A sampler reads the budget every 0.2 s throughout. Every
@@ -99,12 +99,6 @@ def test_an_idle_engine_with_a_full_prefix_cache_reaches_a_lowered_limit(served:
     assert not b["shrink_pending"] and b["mapped_bytes"] <= elastic.B_IDLE_LIMIT, b
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvctl limit's wake-up does not step an idle engine core (seen: 62 MiB stay mapped, pinned by "
-    "grace, until a request or utility call steps it; also with c6a9bcf's wake in step_channel). Likely "
-    "cause: both wakes are set by wrapping EngineCore(Proc).__init__ in register(), which a spawned "
-    "engine core first runs from inside EngineCore.__init__ (vllm/v1/engine/core.py, "
-    "load_general_plugins), too late for that instance"))
 def test_kvctls_own_wakeup_lets_an_idle_engine_reach_its_limit(served: dict[str, Any]) -> None:
     seen = served["run"].seen
     assert not seen["a_status_limited_poked"], seen["a_status_limited_idle"]["memory"]
