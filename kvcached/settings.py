@@ -197,7 +197,7 @@ OTHER_NAMES: Final = frozenset(
 
 # Upstream kvcached's names that this kvcached does not read (same snapshot; the three meminfo
 # and engine-core ones from earlier versions of kvcached/utils.py), and why.
-_NO_IPC = "this kvcached shares pages with its one worker without an IPC segment"
+_NO_IPC = "the scheduler's page decisions reach every worker with vLLM's own per-step message, no IPC segment"
 UPSTREAM_ONLY: Final = {
     "KVCACHED_IPC_NAME": _NO_IPC,
     "KVCACHED_IPC_TIMEOUT": _NO_IPC,
