@@ -125,6 +125,32 @@ def discard(tmp: str) -> None:
         os.unlink(tmp)
 
 
+def write_whole(path: str, body: bytes, *, sync: bool = False, replacing: FileId | None = None) -> FileId:
+    """Writes ``body`` to ``path``: under a fresh name, then installed (see ``install``:
+    ``replacing`` None means ``path`` must not exist). Returns the new file's id, to pass as
+    ``replacing`` next time. ``sync``: on the disk, rename included, before it returns.
+    Raises ``OSError``; nothing is left behind but the file installed."""
+    tmp, f = create_temp(path)
+    try:
+        with f:
+            done = 0
+            while done < len(body):  # a regular file writes short only when the disk fills up
+                wrote = f.write(body[done:])
+                if not wrote:
+                    raise OSError(f"short write ({done} of {len(body)} bytes)")
+                done += wrote
+            if sync:
+                os.fsync(f.fileno())
+            fid = FileId.of(os.fstat(f.fileno()))
+        install(tmp, path, replacing=replacing)
+    except BaseException:
+        discard(tmp)
+        raise
+    if sync:
+        fsync_dir(path)
+    return fid
+
+
 def fsync_dir(path: str) -> None:
     """Makes a rename or link in the folder of ``path`` durable."""
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

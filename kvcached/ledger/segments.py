@@ -32,7 +32,7 @@ import msgspec
 from kvcached.errors import ConfigError, JournalError
 
 from .events import INT64_MAX, Event, Header, misfit
-from .files import FileId, NotRegularFileError, create_temp, discard, fsync_dir, install, read_regular
+from .files import FileId, NotRegularFileError, read_regular, write_whole
 from .journal import PREAMBLE_SIZE, JournalReader, TornTail
 from .ledger import Ledger
 from .state import LedgerSnapshot
@@ -343,26 +343,7 @@ def write_snapshot(
     ``replacing`` None means ``path`` must not exist). Returns the new file's id, to pass as
     ``replacing`` next time. ``sync``: on the disk, rename included, before it returns.
     Raises ``OSError``; nothing is left behind but the file installed."""
-    body = msgspec.msgpack.encode(snap)
-    tmp, f = create_temp(path)
-    try:
-        with f:
-            done = 0
-            while done < len(body):  # a regular file writes short only when the disk fills up
-                wrote = f.write(body[done:])
-                if not wrote:
-                    raise OSError(f"short write ({done} of {len(body)} bytes)")
-                done += wrote
-            if sync:
-                os.fsync(f.fileno())
-            fid = FileId.of(os.fstat(f.fileno()))
-        install(tmp, path, replacing=replacing)
-    except BaseException:
-        discard(tmp)
-        raise
-    if sync:
-        fsync_dir(path)
-    return fid
+    return write_whole(path, msgspec.msgpack.encode(snap), sync=sync, replacing=replacing)
 
 
 def resume(path: str | os.PathLike[str]) -> tuple[Ledger, Iterator[Event], RotatedJournal]:

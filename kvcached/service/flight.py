@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Final
 import msgspec
 
 from kvcached.ledger.events import Header
-from kvcached.ledger.files import FileId, create_temp, discard, fsync_dir, install, lstat
+from kvcached.ledger.files import FileId, kind, lstat, write_whole
 from kvcached.ledger.journal import JournalWriter
 from kvcached.ledger.segments import segment_header, snapshot_path
 from kvcached.ledger.state import LedgerSnapshot
@@ -118,31 +119,14 @@ def dump_name(folder: str, pid: int, reason: str) -> str:
 
 
 def _write_file(path: str, body: bytes, *, replace: bool) -> None:
-    """``body`` at ``path``: a fresh temporary file, then installed; a regular file already
-    there is replaced only if ``replace`` (kvctl's ``-o``), anything else is refused."""
+    """``body`` at ``path``, on disk when this returns; a regular file already there is replaced
+    only if ``replace`` (kvctl's ``-o``), anything else is refused."""
     st = lstat(path)
-    replacing = None
-    if st is not None:
-        if not replace:
-            raise FileExistsError(f"{path}: exists already; not replacing it")
-        if not (st.st_mode & 0o170000 == 0o100000):
-            raise IsADirectoryError(f"{path}: not a regular file; not writing there")
-        replacing = FileId.of(st)
-    tmp, f = create_temp(path)
-    try:
-        with f:
-            view = memoryview(body)
-            while view:
-                wrote = f.write(view)
-                if not wrote:
-                    raise OSError(f"{path}: short write")
-                view = view[wrote:]
-            os.fsync(f.fileno())
-        install(tmp, path, replacing=replacing)
-    except BaseException:
-        discard(tmp)
-        raise
-    fsync_dir(path)
+    if st is not None and not replace:
+        raise FileExistsError(f"{path}: exists already; not replacing it")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise IsADirectoryError(f"{path}: {kind(st.st_mode)}, not a regular file; not writing there")
+    write_whole(path, body, sync=True, replacing=None if st is None else FileId.of(st))
 
 
 def write_dump(dump: Dump, path: str, *, replace: bool = False) -> list[str]:
