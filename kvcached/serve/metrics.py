@@ -64,21 +64,8 @@ class Collector:
     def describe(self) -> list[Any]:
         return []  # no fixed set: engines come and go (prometheus_client then skips the duplicate check)
 
-    def _sockets(self) -> list[str]:
-        folder = self.folder or live.default_socket_dir()
-        found = []
-        env = os.environ.get(live.SOCKET_ENV)
-        if env:
-            found.append(env)
-        try:
-            names = sorted(os.listdir(folder))
-        except OSError:
-            names = []
-        found += [os.path.join(folder, n) for n in names if n.endswith(".sock")]
-        return found
-
     def statuses(self) -> Iterator[messages.StatusReply]:
-        for path in self._sockets():
+        for path in live.known_sockets(self.folder):
             try:
                 key = (path, os.stat(path).st_ino)
             except OSError:

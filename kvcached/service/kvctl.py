@@ -29,7 +29,6 @@ commands that have no meaning here (``kvtop``, ``shell``, ``delete``) say so in 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -255,15 +254,8 @@ class Found(msgspec.Struct, frozen=True, kw_only=True):
 def discover(timeout: float = 2.0, folder: str | None = None) -> list[Found]:
     """Every socket in the live view's directory, asked for its status: a socket whose engine is
     gone (SIGKILL leaves it behind) answers nothing and is reported as not alive."""
-    where = folder or live.default_socket_dir()
-    paths = []
-    env = os.environ.get(live.SOCKET_ENV)
-    if env:
-        paths.append(env)
-    with contextlib.suppress(OSError):  # no directory: no engine has run here
-        paths += [os.path.join(where, n) for n in sorted(os.listdir(where)) if n.endswith(".sock")]
     found = []
-    for path in dict.fromkeys(paths):
+    for path in live.known_sockets(folder):
         try:
             reply = live.request(path, messages.Request(op="status"), timeout=timeout)
         except live.LiveViewError as exc:

@@ -426,6 +426,22 @@ def default_socket_path() -> str:
     return os.environ.get(SOCKET_ENV) or os.path.join(default_socket_dir(), f"ledger-{os.getpid()}.sock")
 
 
+def sockets_in(folder: str | None = None) -> list[str]:
+    """The sockets in ``folder`` (the default directory), sorted; none if it does not exist."""
+    where = folder or default_socket_dir()
+    try:
+        return sorted(os.path.join(where, n) for n in os.listdir(where) if n.endswith(".sock"))
+    except OSError:
+        return []
+
+
+def known_sockets(folder: str | None = None) -> list[str]:
+    """Every socket an engine of this user may listen on: ``$KVCACHED_LEDGER_SOCKET`` first, then
+    those of the default directory (for kvctl list and the metrics collector)."""
+    env = os.environ.get(SOCKET_ENV)
+    return list(dict.fromkeys(([env] if env else []) + sockets_in(folder)))
+
+
 def find_socket(path: str | None = None) -> str:
     """``path``, ``$KVCACHED_LEDGER_SOCKET``, or the one socket in the default directory."""
     if path:
@@ -433,10 +449,7 @@ def find_socket(path: str | None = None) -> str:
     if os.environ.get(SOCKET_ENV):
         return os.environ[SOCKET_ENV]
     folder = default_socket_dir()
-    try:
-        found = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".sock"))
-    except OSError:
-        found = []
+    found = sockets_in(folder)
     if len(found) == 1:
         return found[0]
     if not found:
