@@ -121,8 +121,9 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     bg = BackgroundService.start(manager.recorder.ledger.header, ServiceConfig(socket=sock, flight_events=64))
     manager.recorder.sink = bg.producer
 
-    class Engine:
-        pass
+    class Engine:  # what ServedEngine needs of vllm_bridge.engine.Engine, over the manager alone
+        def set_limit_bytes(self, n: int | None) -> None:
+            manager.set_limit_pages(manager.geometry.num_pages if n is None else n // PAGE)
 
     eng = Engine()
     eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]

@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from ..errors import ConfigError
 from ..service.messages import EngineInfo, MemoryStatus
 
 log = logging.getLogger("vllm.kvcached")
@@ -75,16 +74,24 @@ def lock_scheduler_methods(cls: type, state_attr: str) -> None:
         setattr(cls, name, make(original, name))
 
 
+def close_open_build(engine: Any) -> None:
+    """Without a connector: close the open build if freed pages wait for it, and let them go
+    (see ``close_builds_without_connector``); the caller holds the engine's lock."""
+    from ..ledger.events import BuildBoundary
+
+    ledger = engine.recorder.ledger
+    if ledger.pending_grace_pages():
+        engine.recorder.emit(BuildBoundary(ledger.build))
+        if engine.manager is not None:
+            engine.manager.drain_releasable()
+
+
 def close_builds_without_connector(scheduler: Any, engine: Any, lock: threading.RLock) -> None:
     """An engine without a KV connector has no builds (``build_connector_meta`` is never
     called), so the ledger's grace pins, which end at the next build, would keep every freed
     page mapped for good. With no connector there is no copy that a build could have captured a
     freed block for; each scheduler call that frees blocks therefore closes the open build
     itself, under the engine's lock, as the bridge's ``build_connector_meta`` does with one."""
-    from ..ledger.events import BuildBoundary
-
-    recorder, manager = engine.recorder, engine.manager
-    ledger = recorder.ledger
 
     def closing(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -93,10 +100,7 @@ def close_builds_without_connector(scheduler: Any, engine: Any, lock: threading.
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    if ledger.pending_grace_pages():
-                        recorder.emit(BuildBoundary(ledger.build))
-                        if manager is not None:
-                            manager.drain_releasable()
+                    close_open_build(engine)
 
         return call
 
@@ -128,34 +132,14 @@ class ServedEngine:
     def set_limit(self, size: int | None) -> MemoryStatus:
         """Sets the memory limit to ``size`` bytes, rounded down to whole pages (None: no limit),
         and shrinks as far as pins allow now; the rest follows as they are released."""
-        if size is not None and size < 0:
-            raise ConfigError(f"a memory limit of {size} bytes: use a size of 0 or more, or none")
-        with self.lock:
-            manager = self.engine.manager
-            if manager is None:
-                raise ConfigError("this engine runs vLLM's own block pool: kvcached holds no memory to limit")
-            setter = getattr(self.engine, "set_limit_bytes", None)
-            if setter is not None:
-                setter(size)
-            else:
-                pages = manager.allocator.num_pages if size is None else size // self.page_cost
-                manager.set_limit_pages(pages)
+        with self.lock:  # Engine.set_limit_bytes refuses a negative size and an engine without the pool
+            self.engine.set_limit_bytes(size)
             if not getattr(self.engine, "offloading", True):
-                self.close_build()
+                close_open_build(self.engine)
             status = self._status()
-        if status.shrink_pending and self.wake is not None:
-            self.wake()  # pages emptied now may wait for a build: an idle engine must take one
+        if self.wake is not None:
+            self.wake()  # pages emptied now may wait for a build, decisions for a step
         return status
-
-    def close_build(self) -> None:
-        """Without a connector: close the open build so that pages freed by the shrink go now
-        (see ``close_builds_without_connector``); the caller holds the lock."""
-        from ..ledger.events import BuildBoundary
-
-        ledger = self.engine.recorder.ledger
-        if ledger.pending_grace_pages():
-            self.engine.recorder.emit(BuildBoundary(ledger.build))
-            self.engine.manager.drain_releasable()
 
     def _status(self) -> MemoryStatus:
         manager = self.engine.manager

@@ -69,7 +69,6 @@ def register() -> None:
     _wrap_config(settings)
     _wrap_allocation(settings)
     _wrap_scheduler(settings)
-    _wrap_engine_core()
     _installed = settings
 
 
@@ -261,34 +260,6 @@ class EngineState:
             log.error("[kvcached] journal: %s", e)
 
 
-def _wrap_engine_core() -> None:
-    """Lets kvctl wake an idle engine core. An idle EngineCoreProc blocks on its input queue
-    (``EngineCoreProc._process_input_queue``), so a limit lowered then would wait for the next
-    request to step the engine, and the pages whose grace pins end at the next build would stay.
-    vLLM's own way to make that loop look again is a ``WAKEUP`` request on the queue (its signal
-    handler does the same); it steps only if the scheduler has work, which the bridge reports
-    while grace pins wait for a build (``Bridge.has_pending_push_work``). Hooked where the busy
-    loop starts, not in the constructor: a spawned engine core runs this ``register`` from inside
-    ``EngineCore.__init__`` (``load_general_plugins``), too late to wrap the constructor running."""
-    from vllm.v1.engine import EngineCoreRequestType
-    from vllm.v1.engine.core import EngineCoreProc
-
-    original = EngineCoreProc.run_busy_loop
-    if getattr(original, "_kvcached", False):
-        return
-
-    @functools.wraps(original)
-    def run_busy_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
-        state = getattr(getattr(self, "scheduler", None), "_kvcached", None)
-        queue = getattr(self, "input_queue", None)
-        if state is not None and queue is not None:
-            state.control.wake = lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
-        return original(self, *args, **kwargs)
-
-    run_busy_loop._kvcached = True  # type: ignore[attr-defined]
-    EngineCoreProc.run_busy_loop = run_busy_loop  # type: ignore[method-assign,unused-ignore]
-
-
 def _wrap_scheduler(settings: Settings) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -318,7 +289,7 @@ def _wrap_scheduler(settings: Settings) -> None:
     __init__._kvcached = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__  # type: ignore[method-assign,unused-ignore]
     Scheduler.shutdown = shutdown  # type: ignore[method-assign,unused-ignore]
-    step_channel.install_engine_core()  # an idle engine core still sends its pending page decisions
+    step_channel.install_engine_core()  # an idle engine core sends pending decisions; kvctl can wake it
     control.lock_scheduler_methods(Scheduler, "_kvcached")
     try:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler

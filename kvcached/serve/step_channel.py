@@ -164,8 +164,9 @@ def flush_on_worker(_worker: Any, message: tuple[int, ...]) -> None:
 def install_engine_core() -> None:
     """Wrap ``EngineCoreProc.run_busy_loop`` (vllm/v1/engine/core.py, 0.32 and 0.33): before the
     loop starts, the engine core's ``has_work`` is shadowed so that an engine about to wait for
-    requests first sends pending decisions through ``collective_rpc``, and ``kvctl limit`` wakes
-    it (vLLM's own ``WAKEUP`` sentinel on its input queue) so that it does. Not its ``__init__``:
+    requests first sends pending decisions through ``collective_rpc``, and the engine's control
+    gets its ``wake`` (vLLM's own ``WAKEUP`` sentinel on its input queue), which ``kvctl limit``
+    calls so that an idle engine does. Not its ``__init__``:
     a spawned engine core loads vLLM's plugins (so runs kvcached's ``register``) from inside
     ``EngineCore.__init__``, too late to wrap the constructor already running; the busy loop is
     looked up on the class when it starts, after that."""
@@ -205,21 +206,12 @@ def _steer_engine_core(core: Any, page_log: PageLog) -> None:
 
     core.has_work = has_work_or_flush
     control = getattr(state, "control", None)
-    if control is None:
-        return
-    set_limit = control.set_limit
-    queue = core.input_queue
-
-    @functools.wraps(set_limit)
-    def set_limit_and_wake(size: int | None) -> Any:
-        status = set_limit(size)
-        # Always: pages that wait for a grace build need a step, which an engine blocked on its
-        # input queue only takes once woken (it asks has_requests() then); decisions already
-        # taken go out through has_work() above.
-        queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
-        return status
-
-    control.set_limit = set_limit_and_wake
+    if control is not None:
+        # kvctl limit wakes an engine blocked on its input queue: pages that wait for a grace
+        # build need a step (it asks has_requests() once woken), and decisions already taken go
+        # out through has_work() above. vLLM's own WAKEUP sentinel, as its signal handler uses.
+        queue = core.input_queue
+        control.wake = lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
 
 # --- worker -------------------------------------------------------------------------------------
