@@ -53,6 +53,7 @@ from kvcached.service.messages import (
     WhyReply,
     frame,
 )
+from kvcached.settings import MAX_SIZE  # a limit beyond it is a typo
 
 if TYPE_CHECKING:
     from kvcached.ledger.ledger import Ledger
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcached.service.live")
 
 SOCKET_ENV: Final = "KVCACHED_LEDGER_SOCKET"
-_MAX_SIZE: Final = 1 << 50  # settings.MAX_SIZE: a limit beyond a PiB is a typo
 
 
 class LiveViewError(KvcachedError):
@@ -327,11 +327,9 @@ class LiveServer:
         """``answer``, with what the engine itself must say (its memory, a new limit) asked in a
         worker thread: the engine answers between two scheduler steps, and the loop goes on."""
         control = self.service.control
-        if request.op == "limit":
-            if control is None:
-                return ErrorReply("limit: this service belongs to no engine whose memory it could limit")
+        if request.op == "limit" and control is not None:
             size = request.size
-            if size is not None and size > _MAX_SIZE:
+            if size is not None and size > MAX_SIZE:
                 return ErrorReply(f"limit: {size} bytes is beyond any machine's memory")
             try:
                 memory = await anyio.to_thread.run_sync(control.set_limit, None if size is None or size < 0 else size)
