@@ -82,9 +82,9 @@ def test_a_dump_from_mid_run_starts_from_its_snapshot(tmp_path: Path, capsys: py
     d = bg.service.dump("test")
     assert d is not None and d.snapshot is not None
     out = tmp_path / "mid.kvj"
-    from kvcached.service.flight import Dump, write_dump
+    from kvcached.service.flight import write_dump
 
-    write_dump(Dump(first_event=d.first_event, events=d.events, journal=d.journal, snapshot=d.snapshot), str(out))
+    write_dump(d, str(out))
     got = replay(capsys, str(out))
     # The same end state as a replay of the whole trace, from only the last events and a snapshot.
     assert got["summary"]["mapped_pages"] == whole["summary"]["mapped_pages"]

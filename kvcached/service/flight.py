@@ -10,10 +10,11 @@ before it are dropped. So between ``capacity`` and ``2 * capacity`` of the lates
 kept, and each snapshot costs one ``Ledger.snapshot`` per ``capacity`` events on the service's
 thread, never on the scheduler's. Snapshots fall between batches, so a dump is whole frames.
 
-A dump is a valid rotated journal of one segment whose header says where it starts
-(``first_event``) with the base snapshot beside it as ``P.snap`` (docs/trace-format.md, "journals
-written by the ledger service"), which ``kvreplay check P`` picks up by itself; a dump of an
-engine that has not yet turned the ring over starts at event 0 and needs no snapshot.
+A dump (``messages.DumpReply``, as ``kvctl dump`` receives it) is a valid rotated journal of one
+segment whose header says where it starts (``first_event``) with the base snapshot beside it as
+``P.snap`` (docs/trace-format.md, "journals written by the ledger service"), which ``kvreplay
+check P`` picks up by itself; a dump of an engine that has not yet turned the ring over starts
+at event 0 and needs no snapshot.
 """
 
 from __future__ import annotations
@@ -34,18 +35,10 @@ from kvcached.ledger.files import FileId, kind, lstat, write_whole
 from kvcached.ledger.journal import JournalWriter
 from kvcached.ledger.segments import segment_header, snapshot_path
 from kvcached.ledger.state import LedgerSnapshot
+from kvcached.service.messages import DumpReply
 
 REASON_KEY: Final = "flight_recorder"  # header meta: why the dump was written
 DUMP_SUFFIX: Final = ".kvj"
-
-
-class Dump(msgspec.Struct, frozen=True, kw_only=True):
-    """A dump in memory: the journal's bytes and, when it starts mid-run, its snapshot's."""
-
-    first_event: int
-    events: int
-    journal: bytes
-    snapshot: bytes | None
 
 
 class FlightRecorder:
@@ -88,7 +81,7 @@ class FlightRecorder:
             self._base, self._base_index = self._next, turn
             self._next = snapshot()
 
-    def dump(self, reason: str) -> Dump:
+    def dump(self, reason: str) -> DumpReply:
         """The kept events as a trace (the bytes of a journal file, and of its snapshot)."""
         header = segment_header(self.header, 0, self._base_index)
         header = msgspec.structs.replace(header, meta={**header.meta, REASON_KEY: reason}, created_unix=time.time())
@@ -99,7 +92,7 @@ class FlightRecorder:
         snap = None
         if self._base is not None and self._base_index > 0:
             snap = msgspec.msgpack.encode(self._base)
-        return Dump(first_event=self._base_index, events=self.events, journal=buf.getvalue(), snapshot=snap)
+        return DumpReply(first_event=self._base_index, events=self.events, journal=buf.getvalue(), snapshot=snap)
 
 
 # --- writing a dump -----------------------------------------------------------------------------
@@ -129,7 +122,7 @@ def _write_file(path: str, body: bytes, *, replace: bool) -> None:
     write_whole(path, body, sync=True, replacing=None if st is None else FileId.of(st))
 
 
-def write_dump(dump: Dump, path: str, *, replace: bool = False) -> list[str]:
+def write_dump(dump: DumpReply, path: str, *, replace: bool = False) -> list[str]:
     """Writes ``dump`` as ``path`` (and ``path.snap``); returns the files written. The snapshot
     goes first, so that a journal that needs one is never there without it."""
     written = []

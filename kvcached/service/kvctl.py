@@ -394,18 +394,17 @@ def cmd_limit_percent(path: str, args: argparse.Namespace, out: TextIO) -> int:
 def cmd_dump(path: str, args: argparse.Namespace, out: TextIO) -> int:
     reply = live.request(path, messages.Request(op="dump"), timeout=args.timeout)
     assert isinstance(reply, messages.DumpReply)
-    from kvcached.service.flight import Dump, write_dump
+    from kvcached.service.flight import write_dump
 
-    dump = Dump(first_event=reply.first_event, events=reply.events, journal=reply.journal, snapshot=reply.snapshot)
     try:
-        written = write_dump(dump, args.output, replace=True)
+        written = write_dump(reply, args.output, replace=True)
     except OSError as exc:
         raise live.LiveViewError(f"{args.output}: cannot write the dump: {exc.strerror or exc}") from None
     if args.json:
-        out.write(msgspec.json.encode({"files": written, "first_event": dump.first_event, "events": dump.events})
+        out.write(msgspec.json.encode({"files": written, "first_event": reply.first_event, "events": reply.events})
                   .decode() + "\n")
         return 0
-    out.write(f"{dump.events} events (from event {dump.first_event}) written to {', '.join(written)}\n")
+    out.write(f"{reply.events} events (from event {reply.first_event}) written to {', '.join(written)}\n")
     out.write(f"replay with: kvreplay check {args.output}\n")
     return 0
 

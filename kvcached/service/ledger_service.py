@@ -211,16 +211,12 @@ class LedgerService:
         self.dumps: list[str] = []  # flight-recorder files written by this service
         self._violations_seen = 0
         self._dumped_invariants: set[str] = set()
-        self._dump_at_stop: str | None = None
         self._dump_requests: collections.deque[tuple[str, threading.Event, list[str]]] = collections.deque()
 
     # --- control, from any thread -------------------------------------------------------------
 
-    def stop(self, *, dump: str | None = None) -> None:
-        """Ask :meth:`run` to drain, close the journal and return (thread-safe, idempotent);
-        with ``dump`` (why), the flight recorder is saved once the last events are in."""
-        if dump is not None and self.flight is not None:
-            self._dump_at_stop = dump
+    def stop(self) -> None:
+        """Ask :meth:`run` to drain, close the journal and return (thread-safe, idempotent)."""
         self._stopping = True
         with contextlib.suppress(OSError):
             os.write(self.producer._wfd, b"\0")
@@ -260,8 +256,7 @@ class LedgerService:
         """The flight recorder's events as a trace, in memory (on the loop: ``kvctl dump``)."""
         if self.flight is None:
             return None
-        d = self.flight.dump(reason)
-        return DumpReply(first_event=d.first_event, events=d.events, journal=d.journal, snapshot=d.snapshot)
+        return self.flight.dump(reason)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -282,8 +277,6 @@ class LedgerService:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._disk(self._close_journal)
-                if self._dump_at_stop is not None:
-                    await self._save_flight(self._dump_at_stop, "stop")
                 while self._dump_requests:  # asked as the service stopped: nobody waits forever
                     self._dump_requests.popleft()[1].set()
 
