@@ -26,7 +26,6 @@ import contextlib
 import fcntl
 import itertools
 import os
-import re
 import stat
 import tempfile
 import time
@@ -35,8 +34,9 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from .errors import ConfigError, KvcachedError
+from .settings import BUDGET_NAME
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # as KVCACHED_BUDGET (settings.py) takes it
+NAME = BUDGET_NAME  # as KVCACHED_BUDGET takes it (settings.py)
 HEADROOM_MAX_AGE = 0.005  # seconds a headroom read is reused: vLLM asks for free blocks per request
 _VERSION = 1
 _tags = itertools.count(1)

@@ -53,6 +53,7 @@ Kind = Literal["flag", "count", "mib", "word", "path", "size"]
 # a number, an optional unit, binary multiples either way (``G``, ``GB``, ``GiB`` are all 2**30),
 # since KV memory is counted in 2 MiB pages and nobody means 10**9 bytes of it.
 _SIZE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+BUDGET_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # KVCACHED_BUDGET, kvctl budget NAME
 _UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 MAX_SIZE: Final = 1 << 50  # a PiB: no machine kvcached serves on has more KV memory
 
@@ -259,7 +260,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             budget_bytes=_count(e, BUDGET_BYTES),
             max_reserved_bytes=_count(e, MAX_RESERVED_BYTES),
         )
-        if s.budget is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", s.budget):
+        if s.budget is not None and not BUDGET_NAME.fullmatch(s.budget):
             raise ConfigError(
                 f"KVCACHED_BUDGET={_show(s.budget)}: not a budget name; set letters, digits, '.', '_' or '-' "
                 "(at most 64, starting with a letter or digit)"
