@@ -364,6 +364,7 @@ def main() -> int:
     ap.add_argument("--callgrind", action="store_true", help="also count instructions (minutes per workload)")
     ap.add_argument("--cg-steps", type=int, default=20, help="steps per variant under callgrind")
     ap.add_argument("--json", help="write the raw step times here")
+    ap.add_argument("--cg-out", help="keep callgrind's files here (for callgrind_annotate), not in a temporary folder")
     ap.add_argument(
         "--build", choices=("compiled", "compiled-engine", "pure"), default="compiled",
         help="compiled: kvcached as pip install builds it (scripts/build-compiled.sh); compiled-engine: "
@@ -392,7 +393,12 @@ def main() -> int:
     compiled = [m for m in COMPILED_NAMES if _is_compiled(m)]
     print(f"kvcached from {Path(ledger_module.__file__).parent.parent}; compiled: {', '.join(compiled) or 'none'}")
     raw = {}
-    with tempfile.TemporaryDirectory(prefix="kvcached-cg-") as cgtmp:
+    with contextlib.ExitStack() as stack:
+        if args.cg_out:
+            os.makedirs(args.cg_out, exist_ok=True)
+            cgtmp = args.cg_out
+        else:
+            cgtmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcached-cg-"))
         for n in names:
             w = WORKLOADS[n]
             ir = callgrind(w, args.cg_steps, cgtmp) if args.callgrind else None

@@ -170,6 +170,11 @@ class KVCacheManager:
         self._partial_free = 0  # sum of len(self._free_in[p])
         self.num_allocated = 0
         self._bytes: dict[int, torch.Tensor] = {}
+        self._num_blocks = geometry.num_blocks
+        # ``available_size``'s page part, valid while the allocator's change count (and the
+        # budget's headroom, which other engines move) is the one in the key.
+        self._page_blocks = 0
+        self._page_blocks_key: object = None
 
     @classmethod
     def standalone(
@@ -215,11 +220,21 @@ class KVCacheManager:
 
         vLLM's scheduler asks for as many blocks as the page-aware pool reports free, inside
         ``Scheduler.schedule()``, so an overcount is an engine crash, not a refusal."""
+        alloc = self.allocator
+        budget = alloc.budget
+        key = alloc.changes if budget is None else (alloc.changes, budget.headroom())
+        if key != self._page_blocks_key:
+            self._page_blocks = self._count_page_blocks()
+            self._page_blocks_key = key
+        return min(self._partial_free + self._page_blocks, self._num_blocks - self.num_allocated)
+
+    def _count_page_blocks(self) -> int:
+        """Blocks on the pages the allocator can hand out now: what ``available_size`` caches."""
         pages = self.allocator.pages_available()
-        blocks = self._partial_free + pages * self._bpp
+        blocks = pages * self._bpp
         if pages and self._short and self.allocator.hands_out(self._last_page):
             blocks -= self._short  # the last page holds fewer blocks than the others
-        return min(blocks, self.geometry.num_blocks - self.num_allocated)
+        return blocks
 
     def holds(self, block: int) -> bool:
         """Whether ``block`` is allocated (handed out, or taken with ``take``) and not freed."""

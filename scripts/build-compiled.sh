@@ -3,17 +3,15 @@
 # the work tree. Used by the benchmarks (pure vs compiled, side by side) and by the test
 # command (the ledger's tests run against the compiled build too).
 #   build-compiled.sh DIR           the ledger, as setup.py compiles it
-#   build-compiled.sh DIR --engine  also what runs on vLLM's scheduler step and compiles as it is
-#                                   (manager, bridge, recorder). Not yet: page_allocator.py (mypyc
-#                                   fails on AllocatorState.describe's nested function) and
-#                                   vllm_bridge/block_pool.py (CachedBlocks subclasses OrderedDict;
-#                                   popitem's "b, v" needs an annotation)
+#   build-compiled.sh DIR --engine  also what runs on vLLM's scheduler step: the manager, the page
+#                                   allocator, the page-aware pool, the bridge and the recorder
 set -euo pipefail
 out=${1:?usage: build-compiled.sh DIR [--engine]}
 root="$(cd "$(dirname "$0")/.." && pwd)"
 modules=(kvcached/ledger/ledger.py kvcached/ledger/checks.py kvcached/ledger/tables.py kvcached/ledger/queries.py)
 if [ "${2:-}" = "--engine" ]; then
-    modules+=(kvcached/kv_cache_manager.py kvcached/ledger/recorder.py kvcached/vllm_bridge/bridge.py)
+    modules+=(kvcached/kv_cache_manager.py kvcached/page_allocator.py kvcached/ledger/recorder.py
+        kvcached/vllm_bridge/bridge.py kvcached/vllm_bridge/block_pool.py)
 elif [ -n "${2:-}" ]; then
     echo "usage: build-compiled.sh DIR [--engine]" >&2
     exit 2

@@ -105,3 +105,100 @@ def test_available_size_is_exact_under_a_limit(limit: int) -> None:
         assert len(got) == n
     finally:
         m.backend.close()
+
+
+class _Pot:
+    """A budget that another engine in the same test draws on (``PageBudget``)."""
+
+    name = "pot"
+
+    def __init__(self, size: int) -> None:
+        self.size, self.used = size, 0
+
+    def try_acquire(self, nbytes: int, *, force: bool = False) -> bool:
+        if not force and self.used + nbytes > self.size:
+            return False
+        self.used += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+    def headroom(self) -> int | None:
+        return max(0, self.size - self.used)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    per_page=st.sampled_from([1, 3, 8]),
+    pages=st.integers(1, 5),
+    short=st.integers(0, 7),
+    policy=st.sampled_from(["ledger", "legacy"]),
+    reserve=st.tuples(st.integers(0, 2), st.integers(0, 3)),
+    budget_pages=st.none() | st.integers(0, 6),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "take", "free", "free-page", "build", "limit", "other"]), st.integers(0, 10**6)
+        ),
+        max_size=24,
+    ),
+)
+def test_the_cached_count_is_the_count(
+    per_page: int,
+    pages: int,
+    short: int,
+    policy: str,
+    reserve: tuple[int, int],
+    budget_pages: int | None,
+    ops: list[tuple[str, int]],
+) -> None:
+    # available_size caches its page part behind the allocator's change count (issue 18): after
+    # any sequence of the calls that move pages, and of another engine drawing on the budget, it
+    # answers what counting afresh answers.
+    num_blocks = pages * per_page + short % per_page
+    lo, hi = min(reserve), max(reserve)
+    pot = None if budget_pages is None else _Pot(budget_pages * PAGE)
+    geo = KVGeometry(num_blocks=num_blocks, block_bytes=PAGE // per_page, page_bytes=PAGE)
+    m = KVCacheManager.standalone(
+        geo, HostBackend(page_bytes=PAGE), policy=policy, min_reserved=lo, max_reserved=hi, budget=pot
+    )
+    held: list[int] = []
+    build = 0
+
+    def afresh() -> int:
+        return min(m._partial_free + m._count_page_blocks(), num_blocks - m.num_allocated)
+
+    try:
+        for op, x in ops:
+            assert m.available_size() == afresh()  # read first, so that a stale cache is in play
+            if op == "alloc":
+                avail = m.available_size()
+                held += m.alloc(x % (avail + 1))
+            elif op == "take":
+                free = [b for b in range(num_blocks) if not m.holds(b)]
+                if free:
+                    try:
+                        m.take([free[x % len(free)]])
+                        held.append(free[x % len(free)])
+                    except Exception:
+                        pass  # a limit or a shrink refuses the page: nothing changed
+            elif op == "free" and held:
+                k = x % len(held) + 1
+                gone, held = held[:k], held[k:]
+                m.free(gone)
+            elif op == "free-page" and held:
+                page = m.page_of(held[x % len(held)])
+                gone = [b for b in held if m.page_of(b) == page]
+                held = [b for b in held if m.page_of(b) != page]
+                m.free(gone)
+            elif op == "build":
+                m.recorder.emit(BuildBoundary(build))
+                m.drain_releasable()
+                build += 1
+            elif op == "limit":
+                m.set_limit_pages(x % (m.geometry.num_pages + 2))
+            elif op == "other" and pot is not None:
+                pot.used = max(0, pot.used + (x % 5 - 2) * PAGE)
+            assert m.available_size() == afresh(), op
+    finally:
+        m.backend.close()

@@ -101,9 +101,9 @@ class CachedBlocks(OrderedDict[int, None]):
         raise KeyError(b)
 
     def popitem(self, last: bool = True) -> tuple[int, None]:
-        b, v = super().popitem(last)
+        b = super().popitem(last)[0]
         self._forget(b)
-        return b, v
+        return b, None
 
     def clear(self) -> None:
         super().clear()
@@ -151,7 +151,7 @@ class PageAwarePool:
     # --- the wrapped calls --------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        queued = int(self.pool.free_block_queue.num_free_blocks)
+        queued: int = self.pool.free_block_queue.num_free_blocks
         if self._native:
             return queued
         # Never more than vLLM's own queue holds: while the two views agree that is every block
