@@ -134,6 +134,10 @@ class StepRecord:
     jobs_to_flush: frozenset[int]
     # Store jobs whose source blocks are already free in the scheduler's pool when built.
     stores_of_free_blocks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # job -> (KV group, block position in the request, GPU block id) of each block the store
+    # copies, in the spec's order: which position's KV each block is stored as (see
+    # ``Harness.store_positions``).
+    store_positions: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
     completed_jobs: dict[int, int] = field(default_factory=dict)  # summed over workers
 
 
@@ -213,6 +217,7 @@ class Harness:
         self.freed_block_copies: list[FreedBlockCopy] = []
         self._requests: dict[str, Request] = {}
         self._job_req: dict[int, str] = {}
+        self.store_positions: dict[int, tuple[tuple[int, int, int], ...]] = {}
         self._next_req = 0
         self._in_flight: collections.deque[_Batch] = collections.deque()
         self._executing = 0  # the step whose worker side runs now
@@ -447,6 +452,9 @@ class Harness:
         for j, (_, ids) in record.store_jobs.items():
             if free := self._free_in_pool(ids):
                 record.stores_of_free_blocks[j] = free
+        for j, job in meta.store_jobs.items():
+            if (pos := self._store_positions(j, job)) is not None:
+                record.store_positions[j] = self.store_positions[j] = pos
         self._job_req.update(record.load_jobs)
         self._job_req.update({j: r for j, (r, _) in record.store_jobs.items()})
         # What the model runner is told at schedule time: each request's token range and block
@@ -527,6 +535,38 @@ class Harness:
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             kv_connector_output=kvo,
         )
+
+    def _store_positions(self, job_id: int, job: Any) -> tuple[tuple[int, int, int], ...] | None:
+        """The request position each block of a store job is stored as, from the connector's own
+        state right after the build: the chunks whose offload keys the job stores, in chunk order,
+        and the non-null blocks of each. A store's blocks are not always contiguous from the
+        spec's ``block_indices`` (as ``GPULoadStoreSpec``'s docstring says they are): when the CPU
+        tier already holds a middle chunk's key, ``prepare_store`` leaves it out and the build
+        skips that chunk's blocks, and the copy (which uses ``block_indices`` only modulo the
+        chunk size) stores each block under its own chunk's key. None when the connector's state
+        does not reproduce the spec's block list (then the spec's contiguous reading is used)."""
+        cs = getattr(self.scheduler.connector, "connector_scheduler", None)
+        status = getattr(cs, "_req_status", {}).get(job.req_id)
+        keys = getattr(getattr(cs, "_jobs", {}).get(job_id), "keys", None)
+        if cs is None or status is None or keys is None:
+            return None
+        bpc = int(cs.config.blocks_per_chunk)
+        out: list[tuple[int, int, int]] = []
+        sizes: list[int] = []
+        for g, state in enumerate(status.group_states):
+            n = 0
+            for c, key in enumerate(state.offload_keys):
+                if key not in keys:
+                    continue
+                for k in range(c * bpc, min((c + 1) * bpc, len(state.block_ids))):
+                    if state.block_ids[k] != 0:
+                        out.append((g, k, int(state.block_ids[k])))
+                        n += 1
+            sizes.append(n)
+        spec = job.src_spec
+        if [b for _, _, b in out] != [int(b) for b in spec.block_ids] or sizes != [int(n) for n in spec.group_sizes]:
+            return None
+        return tuple(out)
 
     # --- load verification ---------------------------------------------------------------------
 

@@ -91,10 +91,17 @@ class MemoryChecks:
         kind = "store" if plan.is_store else "load"
         blocks: list[tuple[int, int, int]] = []  # (group, block index in the request, block id)
         ids = [int(b) for b in spec.block_ids]
-        off = 0
-        for g, (n, first) in enumerate(zip(spec.group_sizes, spec.block_indices, strict=True)):
-            blocks += [(g, int(first) + i, ids[off + i]) for i in range(int(n))]
-            off += int(n)
+        positions = self.h.store_positions.get(plan.job_id) if plan.is_store else None
+        if positions is not None and len(positions) == len(ids):
+            # A store may skip chunks the CPU tier already holds: each block's position is that
+            # of the chunk whose key it is stored under, not ``block_indices`` plus its rank. The
+            # block is the one the copy reads (the worker's spec), not the scheduler's record.
+            blocks = [(g, k, b) for (g, k, _), b in zip(positions, ids, strict=True)]
+        else:
+            off = 0
+            for g, (n, first) in enumerate(zip(spec.group_sizes, spec.block_indices, strict=True)):
+                blocks += [(g, int(first) + i, ids[off + i]) for i in range(int(n))]
+                off += int(n)
         reachable = [self._touch(rank, b, step, req, f"{kind} job {plan.job_id} copies it") for _, _, b in blocks]
         if plan.is_store and req is not None:
             for (g, k, b), ok in zip(blocks, reachable, strict=True):
