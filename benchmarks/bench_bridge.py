@@ -17,7 +17,8 @@ median with a 95% bootstrap interval. Variants:
 * ``bridge+journal``: the same, journaled by the ledger service as the plugin configures it;
 * ``kvcached``: the bridge and the page-aware pool over kvcached's manager, no journal (what
   ``ENABLE_KVCACHED=1`` runs by default);
-* ``kvcached+all``: that, with the journal and the live ledger service (socket, replica) on.
+* ``kvcached+all``: that, with the ledger service a served engine runs (``serve.plugin.
+  service_config``: journal, live socket, replica, flight recorder).
 
 Only the two scheduler calls are timed; the harness's worker side (its connectors, byte copies
 and the model stand-in's sampling; no forward pass) runs between them untimed, and a ledger
@@ -157,8 +158,12 @@ class Variant:
         service = None
         if self.name == "bridge+journal":  # as the plugin journals (kvcached/serve/plugin.py)
             service = ServiceConfig(journal=journal, replica=False, snapshot_every=0, flush_interval=0.005)
-        elif self.name == "kvcached+all":
-            service = ServiceConfig(journal=journal, socket=f"{self._tmp}/{self.name}.sock", replica=True)
+        elif self.name == "kvcached+all":  # a served engine's service: journal, socket, replica, flight recorder
+            from kvcached.serve.plugin import service_config
+            from kvcached.settings import Settings
+
+            settings = Settings(journal=journal, dump_dir=self._tmp)
+            service = service_config(settings, f"{self._tmp}/{self.name}.sock")
         nb = scheduler.kv_cache_config.num_blocks
         block_bytes = scheduler.kv_cache_config.kv_cache_tensors[0].size // nb
         g = KVGeometry(num_blocks=nb, block_bytes=block_bytes, page_bytes=BLOCKS_PER_PAGE * block_bytes)
