@@ -371,9 +371,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the raw step times here")
     ap.add_argument("--cg-out", help="keep callgrind's files here (for callgrind_annotate), not in a temporary folder")
     ap.add_argument(
-        "--build", choices=("compiled", "compiled-engine", "pure"), default="compiled",
-        help="compiled: kvcached as pip install builds it (scripts/build-compiled.sh); compiled-engine: "
-        "also the manager, pool, bridge and recorder (build-compiled.sh --engine); pure: the source tree",
+        "--build", choices=("compiled", "pure"), default="compiled",
+        help="compiled: kvcached as pip install builds it (scripts/build-compiled.sh); pure: the source tree",
     )
     ap.add_argument("--callgrind-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -382,8 +381,6 @@ def main() -> int:
         callgrind_child(WORKLOADS[name], int(steps), lib)
         return 0
     if args.build != "pure" and BUILD_ENV not in os.environ:
-        if args.build == "compiled-engine":
-            ENGINE_BUILD.append("--engine")
         return _rerun_compiled()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
@@ -418,7 +415,6 @@ def main() -> int:
 
 
 BUILD_ENV = "KVCACHED_BENCH_BUILD"
-ENGINE_BUILD: list[str] = []  # set by --build compiled-engine
 COMPILED_NAMES = (
     "kvcached.ledger.ledger", "kvcached.ledger.recorder", "kvcached.kv_cache_manager", "kvcached.page_allocator",
     "kvcached.vllm_bridge.block_pool", "kvcached.vllm_bridge.bridge",
@@ -435,7 +431,7 @@ def _rerun_compiled() -> int:
     """Build kvcached with mypyc into a temporary folder and run this script against it."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="kvcached-bench-build-") as tmp:
-        subprocess.run(["bash", str(root / "scripts/build-compiled.sh"), f"{tmp}/b", *ENGINE_BUILD], check=True)
+        subprocess.run(["bash", str(root / "scripts/build-compiled.sh"), f"{tmp}/b"], check=True)
         env = dict(os.environ, PYTHONPATH=f"{tmp}/b", **{BUILD_ENV: f"{tmp}/b"})
         return subprocess.run([sys.executable, "-P", os.path.abspath(__file__), *sys.argv[1:]], env=env).returncode
 

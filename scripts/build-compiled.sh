@@ -1,21 +1,17 @@
 #!/usr/bin/env bash
-# Compile the ledger's hot path with mypyc into DIR (a copy of the package), without touching
-# the work tree. Used by the benchmarks (pure vs compiled, side by side) and by the test
-# command (the ledger's tests run against the compiled build too).
-#   build-compiled.sh DIR           the ledger, as setup.py compiles it
-#   build-compiled.sh DIR --engine  also what runs on vLLM's scheduler step: the manager, the page
-#                                   allocator, the page-aware pool, the bridge and the recorder
+# Compile kvcached's hot path with mypyc into DIR (a copy of the package), without touching the
+# work tree: the modules `pip install .` compiles (kvcached.ledger.compiled.COMPILED_MODULES, as
+# setup.py reads it). Used by the benchmarks (pure vs compiled, side by side) and by the test
+# command (the ledger's, the manager's and the page-aware pool's tests run against this build too).
+#   build-compiled.sh DIR
 set -euo pipefail
-out=${1:?usage: build-compiled.sh DIR [--engine]}
-root="$(cd "$(dirname "$0")/.." && pwd)"
-modules=(kvcached/ledger/ledger.py kvcached/ledger/checks.py kvcached/ledger/tables.py kvcached/ledger/queries.py)
-if [ "${2:-}" = "--engine" ]; then
-    modules+=(kvcached/kv_cache_manager.py kvcached/page_allocator.py kvcached/ledger/recorder.py
-        kvcached/vllm_bridge/bridge.py kvcached/vllm_bridge/block_pool.py)
-elif [ -n "${2:-}" ]; then
-    echo "usage: build-compiled.sh DIR [--engine]" >&2
+out=${1:?usage: build-compiled.sh DIR}
+if [ -n "${2:-}" ]; then
+    echo "usage: build-compiled.sh DIR" >&2
     exit 2
 fi
+root="$(cd "$(dirname "$0")/.." && pwd)"
+mapfile -t modules < <(cd "$root" && PYTHONDONTWRITEBYTECODE=1 .venv/bin/python -c 'import setup; print("\n".join(setup.compiled_sources()))')
 rm -rf "$out" && mkdir -p "$out"
 cp -r "$root/kvcached" "$out/"
 find "$out" -name '__pycache__' -prune -exec rm -rf {} +
@@ -26,4 +22,4 @@ cd "$out"
     exit 1
 }
 rm -rf build
-ls kvcached/ledger/*.so >/dev/null
+ls kvcached/ledger/*.so kvcached/vllm_bridge/*.so >/dev/null

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite, set-up included:
 #   1. .venv (CPU torch): every test; GPU tests skip without a GPU, vLLM tests skip (no vLLM there);
-#   2. the ledger's tests again against the mypyc-compiled ledger, which `pip install kvcached` ships;
+#   2. the ledger's, manager's and pool's tests again against the mypyc-compiled build, which
+#      `pip install kvcached` ships (the pool's tests on vLLM follow step 3, which sets up .venv-vllm);
 #   3. .venv-vllm (vLLM 0.33.0): the page-aware pool, the harness and the freed-block-copy scenarios
 #      on vLLM's real Scheduler and OffloadingConnector; then vLLM 0.33.0's own tests of its block
 #      pool, KV cache managers, prefix caching, scheduler and connector, alone and under kvcached
@@ -11,13 +12,19 @@
 # Extra arguments go to the first pytest run.
 source "$(dirname "$0")/_env.sh"
 .venv/bin/python -m pytest -q "$@"
-echo "--- the ledger's tests against the mypyc-compiled ledger"
+echo "--- the ledger's, the manager's and the page-aware pool's tests against the mypyc-compiled build"
 bash scripts/build-compiled.sh .venv/compiled
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pytest -q -p no:cacheprovider \
-    tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py tests/test_live.py
+    tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py tests/test_live.py \
+    tests/test_kv_cache_manager.py tests/test_available_size.py tests/test_cached_blocks.py tests/test_budget.py
 echo "--- real vLLM 0.33.0 (scheduler, OffloadingConnector) with kvcached underneath"
 ensure_vllm_env
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler
+echo "--- the page-aware pool and the bridge on vLLM 0.33.0, compiled"
+KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv-vllm/bin/python -P -m pytest -q -p no:cacheprovider \
+    tests/vllm_scheduler/test_page_pool.py tests/vllm_scheduler/test_pool_agreement.py \
+    tests/vllm_scheduler/test_shrink.py tests/vllm_scheduler/test_reset_preemption.py \
+    tests/vllm_scheduler/test_no_connector.py tests/vllm_scheduler/test_scenarios.py
 echo "--- vLLM 0.33.0's own tests (block pool, KV cache managers, prefix caching, scheduler, OffloadingConnector): alone, then under kvcached"
 bash scripts/vllm-conformance.sh
 echo "--- vLLM's CPU build 0.32.0: the scenarios again, the plugin, and vllm serve end to end"
