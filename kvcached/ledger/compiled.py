@@ -51,7 +51,7 @@ def compiled_status() -> str | None:
     if not pure:
         return None
     which = (
-        "its hot path (ledger, manager, pool, bridge) runs"
+        "the hot path (ledger, manager, pool, bridge) runs"
         if len(pure) == len(COMPILED_MODULES)
         else f"{', '.join(pure)} run"
     )
