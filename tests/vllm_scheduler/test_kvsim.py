@@ -142,6 +142,49 @@ def test_a_store_that_skips_a_chunk_the_cpu_tier_holds_is_checked_per_key(monkey
     assert ((0, 4, 5), (0, 6, 13)) in gapped
 
 
+def test_a_flushed_store_of_a_finished_request_is_not_a_foreign_store() -> None:
+    # Seed 97 shrunk (ledger, I5): req-1 finishes in step 1 and its blocks go back to the pool;
+    # step 2's schedule gives block 9 to req-2 fresh and builds req-1's last store (blocks 9-11)
+    # in the same build, in jobs_to_flush, so the worker copies it before step 2's forward
+    # writes req-2's KV there: the store reads req-1's own KV (store-bytes agrees). The recorder
+    # told the ledger block 9 was written (given fresh) before that build's jobs: a false I5 on
+    # 12 of 1,000 seeds.
+    config = SimConfig(num_gpu_blocks=24, max_num_batched_tokens=128, cpu_blocks=8, max_cached_blocks=4)
+    actions = (
+        Add(97001, 58, 2),
+        Add(97002, 65, 1, shared=0, shared_len=51),
+        Add(97003, 111, 1, shared=0, shared_len=51),
+    )
+    res = run_case(Case(seed=97, config=config, actions=actions), "ledger")
+    assert res.ok, [f.line() for f in res.failures]
+
+
+def test_a_stale_window_store_is_a_foreign_store_on_vllm_alone() -> None:
+    # Seed 883 shrunk (docs/vllm-issues.md section 1, on vLLM's own pool): req-0's window block
+    # 7 (its block 2 in the window group) leaves the window in step 1 and is freed; req-1 gets it
+    # fresh in step 2; a connector reset sets req-0's next_stored_chunk_idx to 0 and step 3's
+    # build stores chunk 1 of the window group from the stale ids [7, 8], req-1's KV under
+    # req-0's key. vLLM alone stores the wrong bytes; under kvcached the ledger says I5 too (the
+    # deferred write marks of the flush case above must not hide it).
+    config = SimConfig(
+        sliding_window=16,
+        blocks_per_chunk=2,
+        num_gpu_blocks=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+        cpu_blocks=64,
+        page_blocks=1,
+        max_reserved_pages=2,
+        max_cached_blocks=16,
+    )
+    actions = (Add(883002, 81, 3), Add(883003, 27, 1, shared=1, shared_len=63), Step(3), Reset(connector=True))
+    case = Case(seed=883, config=config, actions=actions)
+    [f] = run_case(case, "vllm").failures
+    assert f.check == "store-bytes" and "group 1" in f.detail and "request req-0 (block index 2)" in f.detail, f.line()
+    i5 = [f for f in run_case(case, "ledger").failures if f.check == "ledger"]
+    assert i5 and "I5 store-of-foreign-block" in i5[0].detail and "copies block 7" in i5[0].detail
+
+
 def test_a_run_that_cannot_end_is_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
     # Planted: a step bound below what the workload needs, as a spinning engine meets it.
     monkeypatch.setattr(execute, "step_bound", lambda case: 3)

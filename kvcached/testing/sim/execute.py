@@ -89,9 +89,18 @@ class _Kvcached:
 
 
 def _record_ownership(scheduler: Any, engine: Engine) -> None:
-    """Emit ``RequestBlocks`` before each build: the blocks each scheduled request holds, fresh
-    (handed out by ``get_new_blocks`` since the last build) or shared (prefix hits, or blocks it
-    holds again since someone else last got them fresh)."""
+    """Emit ``RequestBlocks`` before each build's jobs: the blocks each scheduled request holds,
+    fresh (handed out by ``get_new_blocks`` since the last build) or shared (prefix hits, or blocks
+    it holds again since someone else last got them fresh).
+
+    A fresh block is written by the forward of the step whose build handed it out, and a store
+    job of that same build that vLLM puts in ``jobs_to_flush`` copies before that forward (the
+    worker's ``handle_preemptions`` submits and waits for it first): vLLM 0.33 does so for the
+    store of a request that finished in the previous step, whose freed blocks this schedule gave
+    to another request. For that job the block still holds the finished request's KV, so such a
+    block is told as held (shared) before the jobs and as fresh (written) only after the build.
+    The events are emitted inside the build, between vLLM's metadata and the bridge's
+    ``JobBuilt`` events, where this build's flushes are known."""
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
     null = pool.null_block.block_id
@@ -99,6 +108,8 @@ def _record_ownership(scheduler: Any, engine: Engine) -> None:
     written: dict[int, int] = {}  # block -> build it was last handed out fresh
     told: dict[str, dict[int, int]] = {}  # request -> block -> build it was last told to hold it
     build = [0]
+    pending: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]] = []  # (id, request, fresh, shared)
+    deferred: list[tuple[int, tuple[int, ...]]] = []  # (request, fresh blocks written after the build)
     orig_new: Callable[[int], list[Any]] = pool.get_new_blocks
 
     def get_new_blocks(n: int) -> list[Any]:
@@ -106,8 +117,43 @@ def _record_ownership(scheduler: Any, engine: Engine) -> None:
         fresh.update(b.block_id for b in blocks)
         return blocks
 
+    def emit(meta: Any) -> None:
+        """The pending ``RequestBlocks``, a fresh block that flushed stores of this build read
+        (and no unflushed store of another request) told as held until the build is over: the
+        new holder's own store of it copies after the forward, its own KV. ``meta`` None: no
+        flush known."""
+        flushed_reads: set[int] = set()
+        unflushed_readers: dict[int, set[str]] = {}  # block -> requests of unflushed stores of it
+        if meta is not None:
+            flush = set(meta.jobs_to_flush or ())
+            for j, job in meta.store_jobs.items():
+                for b in (int(b) for b in job.src_spec.block_ids):
+                    if j in flush:
+                        flushed_reads.add(b)
+                    else:
+                        unflushed_readers.setdefault(b, set()).add(job.req_id)
+        for rid, r, new, shared in pending:
+            later = tuple(b for b in new if b in flushed_reads and unflushed_readers.get(b, set()) <= {rid})
+            now = tuple(b for b in new if b not in later)
+            engine.recorder.emit(RequestBlocks(r, 0, now, (*shared, *later)))
+            if later:
+                deferred.append((r, later))
+        pending.clear()
+
     conn = scheduler.connector
     orig_build: Callable[[Any], Any] = conn.build_connector_meta
+    cs = getattr(conn, "connector_scheduler", None)
+    if cs is not None:
+        # vLLM's OffloadingConnector.build_connector_meta calls its scheduler side's by attribute,
+        # inside the bridge's wrapper, which emits JobBuilt once it returns.
+        orig_inner: Callable[[Any], Any] = cs.build_connector_meta
+
+        def inner_build(so: Any) -> Any:
+            meta = orig_inner(so)
+            emit(meta)
+            return meta
+
+        cs.build_connector_meta = inner_build
 
     def build_connector_meta(so: Any) -> Any:
         n = build[0]
@@ -126,12 +172,20 @@ def _record_ownership(scheduler: Any, engine: Engine) -> None:
             for b in (*new, *shared):
                 mine[b] = n
             if new or shared:
-                engine.recorder.emit(RequestBlocks(engine.bridge.req(rid), 0, new, shared))
+                pending.append((rid, engine.bridge.req(rid), new, shared))
         fresh.clear()
         for rid in so.finished_req_ids or ():
             told.pop(rid, None)
         build[0] = n + 1
-        return orig_build(so)
+        if cs is None:
+            emit(None)
+        meta = orig_build(so)
+        if pending:  # the inner build was not reached: emit late rather than never
+            emit(None)
+        for r, later in deferred:
+            engine.recorder.emit(RequestBlocks(r, 0, later, ()))
+        deferred.clear()
+        return meta
 
     pool.get_new_blocks = get_new_blocks
     conn.build_connector_meta = build_connector_meta
