@@ -9,15 +9,19 @@ that one object; no class and no module of vLLM changes) and turns each call int
 * ``on_new_request``: the request is named (interned to a small integer);
 * ``get_num_new_matched_tokens``: native matching drops the request's old block lists, so its
   window holds end (review comment P2 on kvcached PR #598); in-flight job pins are untouched;
-* ``build_connector_meta``: window holds for blocks newly given to sliding-window (and non-align
-  Mamba) groups, one ``JobBuilt`` per load and store job with its GPU block ids, preempted and
-  finished requests, then the build boundary;
+* ``build_connector_meta``: which blocks each scheduled request was given in this step, fresh
+  or shared (``RequestBlocks``, for the ledger's I5: a store copies only its request's blocks),
+  window holds for blocks newly given to sliding-window (and non-align Mamba) groups, one
+  ``JobBuilt`` per load and store job with its GPU block ids, preempted and finished requests,
+  then the build boundary;
 * ``update_connector_output``: one ``JobReported`` per job per step, with the summed count;
 * ``has_pending_push_work``: also true while grace pins still need a build to drain, so that
   an idle engine keeps stepping until every page the ledger holds can go.
 
 It also wraps the block pool's ``reset_prefix_cache`` (vLLM's own, underneath the page-aware
-pool) for ``PrefixCacheReset``, so that a reset is recorded before the frees it causes; an
+pool) for ``PrefixCacheReset``, so that a reset is recorded before the frees it causes, and its
+``get_new_blocks``, to tell a request's fresh blocks (its KV is written there) from its prefix
+hits; an
 engine without a KV connector gets a bridge of that call alone (``offloading=False``). Each
 event has one source: these, the bridge's; blocks, the manager's; pages, the allocator's.
 After each event the bridge lets the allocator drain the pages it released
@@ -41,6 +45,7 @@ from ..ledger.events import (
     JobReported,
     PrefixCacheReset,
     RequestAdded,
+    RequestBlocks,
     RequestFinished,
     RequestPreempted,
     WindowHold,
@@ -105,6 +110,7 @@ class Bridge:
         self._preempted: dict[int, str] = {}
         self._preempted_status = _preempted_status()
         self._orig: dict[str, Callable[..., Any]] = {}
+        self._fresh: set[int] = set()  # blocks vLLM's pool handed out since the last build
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -148,16 +154,20 @@ class Bridge:
         return self._orig["get_num_new_matched_tokens"](request, num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        owners = self._owners(scheduler_output)
         if self.windows:
             self._hold_windows(scheduler_output)
         meta = self._orig["build_connector_meta"](scheduler_output)
         emit, workers = self._emit, self.workers
+        written_after = self._record_owners(owners, meta) if owners else ()
         # Sorted: vLLM hands some of these over as sets of strings, whose order changes with the
         # hash seed, and a journal of the same run must be the same bytes (golden traces).
         for job_id, job in sorted(meta.load_jobs.items()):
             emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (_block_ids(job.dst_spec),), workers))
         for job_id, job in sorted(meta.store_jobs.items()):
             emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (_block_ids(job.src_spec),), workers))
+        for r, blocks in written_after:
+            emit(RequestBlocks(r, POOL, blocks))
         preempted = self._preempted
         for rid in sorted(scheduler_output.preempted_req_ids or ()):
             r = self.req(rid)
@@ -177,6 +187,79 @@ class Bridge:
         emit(BuildBoundary(self.build))
         self.build += 1
         return meta
+
+    def _owners(self, so: Any) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """Which blocks each scheduled request was given in this step: all of a new or resumed
+        request's blocks, the appended ones of a running request (vLLM's ``Scheduler.
+        _make_cached_request_data``), as (request, fresh, shared): fresh if vLLM's pool handed
+        them out in this step, else shared (prefix hits, or blocks a resumed request holds again)."""
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        given: list[tuple[str, tuple[list[int], ...]]] = []
+        waiting = [(new.req_id, new.block_ids) for new in so.scheduled_new_reqs]
+        for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if groups:  # None: no block given in this step
+                (waiting if rid in resumed else given).append((rid, groups))
+        # Running requests are scheduled first (vLLM's ``Scheduler.schedule``), then waiting ones
+        # (new or resumed) in the order they were admitted, which is ``num_scheduled_tokens``'.
+        if len(waiting) > 1:
+            order = {rid: i for i, rid in enumerate(so.num_scheduled_tokens)}
+            waiting.sort(key=lambda g: order.get(g[0], 0))
+        given += waiting
+        fresh = self._fresh
+        out: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        for rid, groups in given:
+            # vLLM caches a full block as soon as it is allocated, so a request scheduled later
+            # in the same step may hold a block handed out fresh in it as a prefix hit: the
+            # first request to hold it in scheduling order is the one its KV is written for.
+            new: list[int] = []
+            shared: list[int] = []
+            for group in groups:
+                for b in group:
+                    if b in fresh:
+                        fresh.discard(b)
+                        new.append(b)
+                    elif b:  # 0: vLLM's null block (skipped window positions)
+                        shared.append(b)
+            if new or shared:
+                out.append((self.req(rid), tuple(new), tuple(shared)))
+        fresh.clear()
+        return out
+
+    def _record_owners(
+        self, owners: list[tuple[int, tuple[int, ...], tuple[int, ...]]], meta: Any
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """Emit ``RequestBlocks`` before the build's jobs; return the fresh blocks to be told as
+        written only after them.
+
+        A fresh block is written by the forward of this step, but a store job that vLLM puts in
+        ``jobs_to_flush`` copies before that forward (the worker's ``handle_preemptions`` waits
+        for it first). vLLM 0.33 does so with the last store of a request that finished in the
+        previous step, whose freed blocks this schedule may give to another request: that store
+        reads the finished request's own KV. Such a block (read by flushed stores, and by no
+        unflushed store but its new holder's own) is told as held now and as written after the
+        jobs, or the ledger would see a foreign store (I5) that is none."""
+        flushed: set[int] = set()
+        unflushed: dict[int, set[int]] = {}  # block -> requests of unflushed stores that read it
+        flush = meta.jobs_to_flush
+        if flush:
+            for job_id, job in meta.store_jobs.items():
+                ids = _block_ids(job.src_spec)
+                if job_id in flush:
+                    flushed.update(ids)
+                else:
+                    r = self.req(job.req_id)
+                    for b in ids:
+                        unflushed.setdefault(b, set()).add(r)
+        after: list[tuple[int, tuple[int, ...]]] = []
+        for r, new, shared in owners:
+            later = tuple(b for b in new if b in flushed and unflushed.get(b, set()) <= {r}) if flushed else ()
+            if later:
+                new = tuple(b for b in new if b not in later)
+                shared = (*shared, *later)
+                after.append((r, later))
+            self._emit(RequestBlocks(r, POOL, new, shared))
+        return after
 
     def _hold_windows(self, so: Any) -> None:
         for new in so.scheduled_new_reqs:
@@ -205,7 +288,12 @@ class Bridge:
     def has_pending_push_work(self) -> bool:
         return bool(self._orig["has_pending_push_work"]()) or self.recorder.ledger.pending_grace_pages() > 0
 
-    # --- the wrapped block pool call ------------------------------------------------------------
+    # --- the wrapped block pool calls -----------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        blocks: list[Any] = self._orig["get_new_blocks"](num_blocks)
+        self._fresh.update([b.block_id for b in blocks])
+        return blocks
 
     def reset_prefix_cache(self) -> bool:
         ok = bool(self._orig["reset_prefix_cache"]())
@@ -263,5 +351,8 @@ def install_bridge(
         connector._kvcached_bridge = bridge
     bridge._orig["reset_prefix_cache"] = pool.reset_prefix_cache
     pool.reset_prefix_cache = bridge.reset_prefix_cache
+    if connector is not None:  # fresh blocks matter only to stores (I5)
+        bridge._orig["get_new_blocks"] = pool.get_new_blocks
+        pool.get_new_blocks = bridge.get_new_blocks
     pool._kvcached_bridge = bridge
     return bridge
