@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import vllm
 
 from kvcached.testing.harness import Harness
 from kvcached.testing.sim import execute
@@ -139,7 +140,9 @@ def test_a_store_that_skips_a_chunk_the_cpu_tier_holds_is_checked_per_key(monkey
         for pos in harnesses[0].store_positions.values()
         if any(b[1] - a[1] > 1 for a, b in itertools.pairwise(pos) if a[0] == b[0])
     ]
-    assert ((0, 4, 5), (0, 6, 13)) in gapped
+    assert gapped, "the case no longer makes a store that skips a chunk: it tests nothing"
+    if vllm.__version__ == "0.33.0":  # the shrunk seed's own store; vLLM's CPU build 0.32 skips another chunk
+        assert ((0, 4, 5), (0, 6, 13)) in gapped
 
 
 def test_a_flushed_store_of_a_finished_request_is_not_a_foreign_store() -> None:

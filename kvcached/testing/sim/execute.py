@@ -12,16 +12,14 @@ puts under it what the variant asks for and plays the case's actions:
   recorded but gives nothing back): a failure here too is not about unmapping;
 * ``vllm``: vLLM alone with its own block pool over plain memory: a failure here too is vLLM's.
 
-For the ledger's I5 (a store copies only its request's blocks) the run records ``RequestBlocks``
-events, which kvcached's bridge does not emit yet: which blocks each scheduled request holds,
-fresh from vLLM's ``BlockPool.get_new_blocks`` or shared, before each ``build_connector_meta``.
+The ledger's I5 (a store copies only its request's blocks) reads the ``RequestBlocks`` events
+that kvcached's bridge records in each ``build_connector_meta``, as in a served engine's journal.
 The memory checks are in ``memory``; the ledger's own invariants are read from its violations.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +28,7 @@ from vllm.v1.request import RequestStatus
 from kvcached.backends.host import HostBackend
 from kvcached.errors import KvcachedError
 from kvcached.kv_cache_manager import KVGeometry
-from kvcached.ledger.events import Policy, RequestBlocks
+from kvcached.ledger.events import Policy
 from kvcached.testing.harness import Harness, HarnessConfig
 from kvcached.testing.sim.draw import BLOCK_SIZE, Abort, Add, Case, Limit, Reset, Step, request_tokens
 from kvcached.testing.sim.memory import MemoryChecks
@@ -77,8 +75,7 @@ class _Kvcached:
             max_cached_blocks=c.max_cached_blocks,
             journal_path=self.journal,
         )
-        self.engine = engine = assemble(scheduler, self.geometry, self.backends, config)
-        _record_ownership(scheduler, engine)
+        self.engine = assemble(scheduler, self.geometry, self.backends, config)
 
     def close(self) -> None:
         with contextlib.suppress(KvcachedError):
@@ -86,109 +83,6 @@ class _Kvcached:
                 self.engine.close()
         for b in self.backends:
             b.close()
-
-
-def _record_ownership(scheduler: Any, engine: Engine) -> None:
-    """Emit ``RequestBlocks`` before each build's jobs: the blocks each scheduled request holds,
-    fresh (handed out by ``get_new_blocks`` since the last build) or shared (prefix hits, or blocks
-    it holds again since someone else last got them fresh).
-
-    A fresh block is written by the forward of the step whose build handed it out, and a store
-    job of that same build that vLLM puts in ``jobs_to_flush`` copies before that forward (the
-    worker's ``handle_preemptions`` submits and waits for it first): vLLM 0.33 does so for the
-    store of a request that finished in the previous step, whose freed blocks this schedule gave
-    to another request. For that job the block still holds the finished request's KV, so such a
-    block is told as held (shared) before the jobs and as fresh (written) only after the build.
-    The events are emitted inside the build, between vLLM's metadata and the bridge's
-    ``JobBuilt`` events, where this build's flushes are known."""
-    kvm = scheduler.kv_cache_manager
-    pool = kvm.block_pool
-    null = pool.null_block.block_id
-    fresh: set[int] = set()
-    written: dict[int, int] = {}  # block -> build it was last handed out fresh
-    told: dict[str, dict[int, int]] = {}  # request -> block -> build it was last told to hold it
-    build = [0]
-    pending: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]] = []  # (id, request, fresh, shared)
-    deferred: list[tuple[int, tuple[int, ...]]] = []  # (request, fresh blocks written after the build)
-    orig_new: Callable[[int], list[Any]] = pool.get_new_blocks
-
-    def get_new_blocks(n: int) -> list[Any]:
-        blocks = orig_new(n)
-        fresh.update(b.block_id for b in blocks)
-        return blocks
-
-    def emit(meta: Any) -> None:
-        """The pending ``RequestBlocks``, a fresh block that flushed stores of this build read
-        (and no unflushed store of another request) told as held until the build is over: the
-        new holder's own store of it copies after the forward, its own KV. ``meta`` None: no
-        flush known."""
-        flushed_reads: set[int] = set()
-        unflushed_readers: dict[int, set[str]] = {}  # block -> requests of unflushed stores of it
-        if meta is not None:
-            flush = set(meta.jobs_to_flush or ())
-            for j, job in meta.store_jobs.items():
-                for b in (int(b) for b in job.src_spec.block_ids):
-                    if j in flush:
-                        flushed_reads.add(b)
-                    else:
-                        unflushed_readers.setdefault(b, set()).add(job.req_id)
-        for rid, r, new, shared in pending:
-            later = tuple(b for b in new if b in flushed_reads and unflushed_readers.get(b, set()) <= {rid})
-            now = tuple(b for b in new if b not in later)
-            engine.recorder.emit(RequestBlocks(r, 0, now, (*shared, *later)))
-            if later:
-                deferred.append((r, later))
-        pending.clear()
-
-    conn = scheduler.connector
-    orig_build: Callable[[Any], Any] = conn.build_connector_meta
-    cs = getattr(conn, "connector_scheduler", None)
-    if cs is not None:
-        # vLLM's OffloadingConnector.build_connector_meta calls its scheduler side's by attribute,
-        # inside the bridge's wrapper, which emits JobBuilt once it returns.
-        orig_inner: Callable[[Any], Any] = cs.build_connector_meta
-
-        def inner_build(so: Any) -> Any:
-            meta = orig_inner(so)
-            emit(meta)
-            return meta
-
-        cs.build_connector_meta = inner_build
-
-    def build_connector_meta(so: Any) -> Any:
-        n = build[0]
-        for b in fresh:
-            written[b] = n
-        # In scheduling order (the dict's insertion order), which is allocation order: a block
-        # handed out fresh in this schedule is the first holder's; a request scheduled after it
-        # in the same step that holds it too got it as a prefix hit (vLLM caches a full block as
-        # soon as it is allocated), so shared.
-        for rid in so.num_scheduled_tokens:
-            ids = sorted({b for group in kvm.get_block_ids(rid) for b in group if b != null})
-            mine = told.setdefault(rid, {})
-            new = tuple(b for b in ids if b in fresh)
-            fresh.difference_update(new)
-            shared = tuple(b for b in ids if b not in new and mine.get(b, -1) < written.get(b, -1))
-            for b in (*new, *shared):
-                mine[b] = n
-            if new or shared:
-                pending.append((rid, engine.bridge.req(rid), new, shared))
-        fresh.clear()
-        for rid in so.finished_req_ids or ():
-            told.pop(rid, None)
-        build[0] = n + 1
-        if cs is None:
-            emit(None)
-        meta = orig_build(so)
-        if pending:  # the inner build was not reached: emit late rather than never
-            emit(None)
-        for r, later in deferred:
-            engine.recorder.emit(RequestBlocks(r, 0, later, ()))
-        deferred.clear()
-        return meta
-
-    pool.get_new_blocks = get_new_blocks
-    conn.build_connector_meta = build_connector_meta
 
 
 def harness_config(case: Case) -> HarnessConfig:
