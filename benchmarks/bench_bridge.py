@@ -367,7 +367,11 @@ def main() -> int:
     ap.add_argument("--alternations", type=int, default=200)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--callgrind", action="store_true", help="also count instructions (minutes per workload)")
-    ap.add_argument("--cg-steps", type=int, default=20, help="steps per variant under callgrind")
+    ap.add_argument(
+        "--cg-steps", type=int, default=16,
+        help="steps per variant under callgrind (16: one whole block cycle of the decode workloads, whose "
+        "requests, admitted together, cross a 16-token block boundary in the same step)",
+    )
     ap.add_argument("--json", help="write the raw step times here")
     ap.add_argument("--cg-out", help="keep callgrind's files here (for callgrind_annotate), not in a temporary folder")
     ap.add_argument(
