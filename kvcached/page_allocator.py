@@ -143,9 +143,11 @@ class PageAllocator:
         # Reserved pages the ledger lets go: the only pages _trim may unmap.
         self._goable: set[int] = set()
         # Bumped by every change to what ``pages_available``/``hands_out`` answer (the budget's
-        # headroom aside): the manager caches its block count behind it, because vLLM's scheduler
-        # asks for the free count once per running request each step (``KVCacheManager.
-        # allocate_slots`` -> ``BlockPool.get_num_free_blocks``), ~290 times at 256 requests.
+        # headroom aside): by each public call that moves pages, and by ``_drain``, the move
+        # ``drain_releasable`` makes before it trims. The manager caches its block count behind
+        # it, because vLLM's scheduler asks for the free count once per running request each step
+        # (``KVCacheManager.allocate_slots`` -> ``BlockPool.get_num_free_blocks``), ~290 times at
+        # 256 requests.
         self.changes = 0
 
     # --- counts -------------------------------------------------------------------------------
@@ -276,11 +278,9 @@ class PageAllocator:
             self.backend.map_page(page)
         except BackendError:
             heapq.heappush(self._free, page)  # the backend rolled its side back; so do we
-            self.changes += 1
             if budget is not None:
                 budget.release(self.page_cost)
             raise
-        self.changes += 1
         self.recorder.emit(PageMapped(self.base + page))
         return page
 
@@ -324,7 +324,6 @@ class PageAllocator:
         while self._goable and (len(self._reserved) > self.max_reserved or self.mapped > self.limit):
             page = max(self._goable)  # give back the top of the range first
             self._goable.discard(page)
-            self.changes += 1
             try:
                 self.backend.unmap_page(page)
             except BackendError:
