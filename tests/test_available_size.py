@@ -8,21 +8,43 @@ as in serving) and a memory limit or a pending shrink leaves only some pages ava
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached.backends.host import HostBackend
-from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry, OutOfBlocksError
 from kvcached.ledger.events import BuildBoundary
 
 KiB = 1024
 PAGE = 64 * KiB
 
 
-def manager(num_blocks: int, per_page: int, policy: str = "ledger", **kw: int) -> KVCacheManager:
+def manager(num_blocks: int, per_page: int, policy: str = "ledger", **kw: Any) -> KVCacheManager:
     geo = KVGeometry(num_blocks=num_blocks, block_bytes=PAGE // per_page, page_bytes=PAGE)
     return KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE), policy=policy, **kw)
+
+
+def move(m: KVCacheManager, op: str, x: int, held: list[int], build: int) -> tuple[list[int], int]:
+    """The moves both randomized tests make (free some, empty a page, end a build, set a limit);
+    returns the blocks still held and the next build. Other ops change nothing here."""
+    if op == "free" and held:
+        k = x % len(held) + 1
+        m.free(held[:k])
+        held = held[k:]
+    elif op == "free-page" and held:  # empties a page: what lets the allocator give it back
+        page = m.page_of(held[x % len(held)])
+        m.free([b for b in held if m.page_of(b) == page])
+        held = [b for b in held if m.page_of(b) != page]
+    elif op == "build":
+        m.recorder.emit(BuildBoundary(build))
+        m.drain_releasable()
+        build += 1
+    elif op == "limit":
+        m.set_limit_pages(x % (m.geometry.num_pages + 2))
+    return held, build
 
 
 def test_the_short_last_page_is_not_counted_as_a_full_one() -> None:
@@ -69,21 +91,8 @@ def test_alloc_of_available_size_always_succeeds(
             if op == "alloc":
                 avail = m.available_size()
                 held += m.alloc(avail if x % 2 else x % (avail + 1))  # fill up, or take some
-            elif op == "free" and held:
-                k = x % len(held) + 1
-                gone, held = held[:k], held[k:]
-                m.free(gone)
-            elif op == "free-page" and held:  # empties a page: what lets the allocator give it back
-                page = m.page_of(held[x % len(held)])
-                gone = [b for b in held if m.page_of(b) == page]
-                held = [b for b in held if m.page_of(b) != page]
-                m.free(gone)
-            elif op == "build":
-                m.recorder.emit(BuildBoundary(build))
-                m.drain_releasable()
-                build += 1
-            elif op == "limit":
-                m.set_limit_pages(x % (m.geometry.num_pages + 2))
+            else:
+                held, build = move(m, op, x, held, build)
             n = m.available_size()
             assert 0 <= n <= num_blocks - m.num_allocated
             got = m.alloc(n)  # must not raise
@@ -158,10 +167,7 @@ def test_the_cached_count_is_the_count(
     num_blocks = pages * per_page + short % per_page
     lo, hi = min(reserve), max(reserve)
     pot = None if budget_pages is None else _Pot(budget_pages * PAGE)
-    geo = KVGeometry(num_blocks=num_blocks, block_bytes=PAGE // per_page, page_bytes=PAGE)
-    m = KVCacheManager.standalone(
-        geo, HostBackend(page_bytes=PAGE), policy=policy, min_reserved=lo, max_reserved=hi, budget=pot
-    )
+    m = manager(num_blocks, per_page, policy, min_reserved=lo, max_reserved=hi, budget=pot)
     held: list[int] = []
     build = 0
 
@@ -180,25 +186,13 @@ def test_the_cached_count_is_the_count(
                     try:
                         m.take([free[x % len(free)]])
                         held.append(free[x % len(free)])
-                    except Exception:
+                    except OutOfBlocksError:
                         pass  # a limit or a shrink refuses the page: nothing changed
-            elif op == "free" and held:
-                k = x % len(held) + 1
-                gone, held = held[:k], held[k:]
-                m.free(gone)
-            elif op == "free-page" and held:
-                page = m.page_of(held[x % len(held)])
-                gone = [b for b in held if m.page_of(b) == page]
-                held = [b for b in held if m.page_of(b) != page]
-                m.free(gone)
-            elif op == "build":
-                m.recorder.emit(BuildBoundary(build))
-                m.drain_releasable()
-                build += 1
-            elif op == "limit":
-                m.set_limit_pages(x % (m.geometry.num_pages + 2))
-            elif op == "other" and pot is not None:
-                pot.used = max(0, pot.used + (x % 5 - 2) * PAGE)
+            elif op == "other":
+                if pot is not None:
+                    pot.used = max(0, pot.used + (x % 5 - 2) * PAGE)
+            else:
+                held, build = move(m, op, x, held, build)
             assert m.available_size() == afresh(), op
     finally:
         m.backend.close()
