@@ -79,6 +79,24 @@ def _preempted_status() -> Any:
     return RequestStatus.PREEMPTED
 
 
+# A scheduled request given blocks in a step: its id, its block ids per KV group, and whether it
+# was admitted in that step (new or resumed) rather than running on.
+_Given = tuple[str, tuple[list[int], ...], bool]
+
+
+def _given(so: Any) -> list[_Given]:
+    """The scheduled requests given blocks in a step (new ones first, then the rest in
+    ``scheduled_cached_reqs`` order): all of a new or resumed request's blocks, the appended ones
+    of a running request (vLLM's ``Scheduler._make_cached_request_data``)."""
+    cached = so.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    out: list[_Given] = [(new.req_id, new.block_ids, True) for new in so.scheduled_new_reqs]
+    for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if groups:  # None: no block given in this step
+            out.append((rid, groups, rid in resumed))
+    return out
+
+
 def _block_ids(spec: Any) -> tuple[int, ...]:
     ids = spec.block_ids
     return tuple(int(b) for b in (ids.tolist() if hasattr(ids, "tolist") else ids))
@@ -154,9 +172,11 @@ class Bridge:
         return self._orig["get_num_new_matched_tokens"](request, num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        owners = self._owners(scheduler_output)
+        given = _given(scheduler_output)
+        owners = self._owners(given, scheduler_output)
         if self.windows:
-            self._hold_windows(scheduler_output)
+            for rid, groups, _ in given:
+                self._hold(rid, groups)
         meta = self._orig["build_connector_meta"](scheduler_output)
         emit, workers = self._emit, self.workers
         written_after = self._record_owners(owners, meta) if owners else ()
@@ -188,27 +208,20 @@ class Bridge:
         self.build += 1
         return meta
 
-    def _owners(self, so: Any) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-        """Which blocks each scheduled request was given in this step: all of a new or resumed
-        request's blocks, the appended ones of a running request (vLLM's ``Scheduler.
-        _make_cached_request_data``), as (request, fresh, shared): fresh if vLLM's pool handed
-        them out in this step, else shared (prefix hits, or blocks a resumed request holds again)."""
-        cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        given: list[tuple[str, tuple[list[int], ...]]] = []
-        waiting = [(new.req_id, new.block_ids) for new in so.scheduled_new_reqs]
-        for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if groups:  # None: no block given in this step
-                (waiting if rid in resumed else given).append((rid, groups))
+    def _owners(self, given: list[_Given], so: Any) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """Which blocks each scheduled request was given in this step (``_given``), as (request,
+        fresh, shared): fresh if vLLM's pool handed them out in this step, else shared (prefix
+        hits, or blocks a resumed request holds again)."""
         # Running requests are scheduled first (vLLM's ``Scheduler.schedule``), then waiting ones
         # (new or resumed) in the order they were admitted, which is ``num_scheduled_tokens``'.
+        running = [(rid, groups) for rid, groups, admitted in given if not admitted]
+        waiting = [(rid, groups) for rid, groups, admitted in given if admitted]
         if len(waiting) > 1:
             order = {rid: i for i, rid in enumerate(so.num_scheduled_tokens)}
             waiting.sort(key=lambda g: order.get(g[0], 0))
-        given += waiting
         fresh = self._fresh
         out: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-        for rid, groups in given:
+        for rid, groups in running + waiting:
             # vLLM caches a full block as soon as it is allocated, so a request scheduled later
             # in the same step may hold a block handed out fresh in it as a prefix hit: the
             # first request to hold it in scheduling order is the one its KV is written for.
@@ -260,14 +273,6 @@ class Bridge:
                 after.append((r, later))
             self._emit(RequestBlocks(r, POOL, new, shared))
         return after
-
-    def _hold_windows(self, so: Any) -> None:
-        for new in so.scheduled_new_reqs:
-            self._hold(new.req_id, new.block_ids)
-        cached = so.scheduled_cached_reqs
-        for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if groups is not None:
-                self._hold(rid, groups)
 
     def _hold(self, request_id: str, groups: tuple[list[int], ...]) -> None:
         blocks = tuple(b for g in sorted(self.windows) if g < len(groups) for b in groups[g] if b)
