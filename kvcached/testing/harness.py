@@ -134,10 +134,6 @@ class StepRecord:
     jobs_to_flush: frozenset[int]
     # Store jobs whose source blocks are already free in the scheduler's pool when built.
     stores_of_free_blocks: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # job -> (KV group, block position in the request, GPU block id) of each block the store
-    # copies, in the spec's order: which position's KV each block is stored as (see
-    # ``Harness.store_positions``).
-    store_positions: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
     completed_jobs: dict[int, int] = field(default_factory=dict)  # summed over workers
 
 
@@ -217,6 +213,8 @@ class Harness:
         self.freed_block_copies: list[FreedBlockCopy] = []
         self._requests: dict[str, Request] = {}
         self._job_req: dict[int, str] = {}
+        # Store job -> (KV group, block position in the request, GPU block id) of each block it
+        # copies, in the spec's order: which position's KV each block is stored as.
         self.store_positions: dict[int, tuple[tuple[int, int, int], ...]] = {}
         self._next_req = 0
         self._in_flight: collections.deque[_Batch] = collections.deque()
@@ -454,7 +452,7 @@ class Harness:
                 record.stores_of_free_blocks[j] = free
         for j, job in meta.store_jobs.items():
             if (pos := self._store_positions(j, job)) is not None:
-                record.store_positions[j] = self.store_positions[j] = pos
+                self.store_positions[j] = pos
         self._job_req.update(record.load_jobs)
         self._job_req.update({j: r for j, (r, _) in record.store_jobs.items()})
         # What the model runner is told at schedule time: each request's token range and block
