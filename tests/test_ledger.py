@@ -369,10 +369,9 @@ def test_every_table_is_kept_by_a_snapshot_fixed_by_the_header_or_rebuilt_on_res
 @pytest.mark.parametrize("policy", ["legacy", "ledger"])
 def test_restore_rebuilds_every_table_as_it_was(policy: str) -> None:
     # Table by table, not only through the questions: a table that restore forgot to rebuild
-    # would hold its empty initial value. Three tables are equal in meaning only: a page's job
-    # list keeps reported jobs until the page's next job (readers filter it with jobs_on), pages
-    # due at a build come in the order of their frees, and restore starts with no fresh pages
-    # (the allocator heard of them before the snapshot).
+    # would hold its empty initial value. Two tables are equal in meaning only: pages due at a
+    # build come in the order of their frees, and restore starts with no fresh pages (the
+    # allocator heard of them before the snapshot).
     for sc in (f() for f in SCENARIOS.values()):
         events = list(derive(Ledger(sc.header, policy), sc.events))
         for k in range(len(events) + 1):
@@ -381,7 +380,7 @@ def test_restore_rebuilds_every_table_as_it_was(policy: str) -> None:
             wire = msgspec.msgpack.encode(lg.snapshot())
             back = Ledger.restore(msgspec.msgpack.decode(wire, type=LedgerSnapshot))
             a, b = lg.tables, back.tables
-            for name in set(_declared_tables()) - {"page_jobs", "grace_due", "fresh"}:
+            for name in set(_declared_tables()) - {"grace_due", "fresh"}:
                 assert getattr(a, name) == getattr(b, name), (sc.name, k, name)
             assert [a.jobs_on(p) for p in range(a.num_pages)] == [b.jobs_on(p) for p in range(b.num_pages)]
             assert {k: set(v) for k, v in a.grace_due.items()} == {k: set(v) for k, v in b.grace_due.items()}
@@ -397,12 +396,12 @@ def test_why_explains_in_words() -> None:
     assert "grace" in text
 
 
-def test_a_page_that_never_comes_free_keeps_a_bounded_job_list() -> None:
-    # One job always in flight over page 0, thousands built and reported: the page's job list
-    # must not grow with the history, and why() must name exactly the outstanding job.
+def test_a_page_that_never_comes_free_names_only_its_outstanding_job() -> None:
+    # One job always in flight over page 0, thousands built and reported: nothing of the
+    # history is kept, and why() must name exactly the outstanding job.
     lg = ledger("ledger", PageMapped(0), BlockAlloc(0, (0,)), JobBuilt(0, STORE, 0, ((0,),), 1))
     for job in range(1, 5000):
         lg.apply(JobBuilt(job, STORE, 0, ((0,),), 1))
         lg.apply(JobReported(job - 1, 1))
     assert [p.job for p in lg.why(0).pins] == [4999]
-    assert len(lg.tables.page_jobs[0]) < 20
+    assert len(lg.tables.jobs) == 1

@@ -28,7 +28,9 @@ that read it are in ``queries``, the slow paths (witnesses, I4) in ``checks``, a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 from . import checks
 from .events import (
@@ -39,6 +41,7 @@ from .events import (
     Gap,
     Header,
     JobBuilt,
+    JobKind,
     JobReported,
     MemoryLimit,
     PageMapped,
@@ -55,6 +58,14 @@ from .events import (
 from .queries import LedgerQueries
 from .state import LedgerSnapshot, restore_snapshot, take_snapshot
 from .tables import LedgerTables
+
+# Compared by identity: msgspec decodes a JobKind to its member, and mypyc keeps a Final in a C static.
+_STORE: Final = JobKind.STORE
+# An event's fields in declaration order (the order of its wire array), in one C call: compiled,
+# each ``ev.field`` is a generic attribute lookup (~160 instructions), and a field typed ``int``
+# is unboxed on the way, then boxed again where it is used as a key. Unpacked, the ids stay the
+# int objects msgspec decoded. Used by the hot handlers only.
+_fields: Final = msgspec.structs.astuple
 
 DEFAULT_LIVENESS_BUILDS = 16
 
@@ -97,8 +108,15 @@ class Ledger(LedgerQueries):
 
     # --- applying events ----------------------------------------------------------------------
     # The handlers below are the scheduler's hot path (budget: about 1 us per free or report on
-    # a 2-core machine), so they bind locals, inline the pin bookkeeping and use C-level map()
-    # over block ids; the rare paths (violations, I4) live in ``checks``.
+    # a 2-core machine) and replay's inner loop, so they bind locals and inline the pin
+    # bookkeeping; the rare paths (violations, I4) live in ``checks``. They are written for
+    # mypyc as much as for CPython (issue 18 measured each change with callgrind): a local typed
+    # ``int`` is a native integer, so an id that is only a dict key or a stored value is left
+    # untyped (``_fields`` hands it over as the int object msgspec decoded), and the event index
+    # stored per block is boxed once per event (``ix``); typed ``int``, each use would box it
+    # again, a new int object for every value above 256. Tables are updated as
+    # ``k = table[p]; table[p] = k + 1``: mypyc compiles ``table[p] += 1`` as generic
+    # arithmetic on objects.
 
     def apply(self, event: Event) -> None:
         # The five events that make up nearly every trace are tested first: compiled by mypyc
@@ -209,18 +227,20 @@ class Ledger(LedgerQueries):
 
     def _block_alloc(self, ev: BlockAlloc) -> None:
         t = self.tables
-        pool = ev.pool
+        pool: int
+        blocks: tuple[int, ...]
+        pool, blocks = _fields(ev)
         if pool >= t.npools:
             checks.bad_pool(t, pool, "BlockAlloc")
             return
         alloc, bpage, bepoch, aix = t.alloc[pool], t.bpage[pool], t.bepoch[pool], t.balloc_ix[pool]
-        page_alloc, mapped, epoch, i, nb = t.page_alloc, t.mapped, t.epoch, t.index, len(alloc)
-        blocks: tuple[int, ...] = ev.blocks  # typed for mypyc: native ints in the loop
+        page_alloc, mapped, epoch, nb = t.page_alloc, t.mapped, t.epoch, len(alloc)
+        ix: Any = t.index  # boxed once (see the note above apply)
         for b in blocks:
             if b >= nb:
                 checks.bad_block(t, pool, b, "BlockAlloc")
                 continue
-            p = bpage[b]
+            p: int = bpage[b]
             if alloc[b]:
                 t.violate("I3", "double-alloc", f"block {b} of pool {pool} allocated twice", page=p)
                 continue
@@ -228,33 +248,35 @@ class Ledger(LedgerQueries):
                 t.violate("I2", "alloc-on-unmapped", f"block {b} of pool {pool} given on an unmapped page", page=p)
             alloc[b] = 1
             bepoch[b] = epoch[p]
-            aix[b] = i
-            n = page_alloc[p]
+            aix[b] = ix
+            n: int = page_alloc[p]
             page_alloc[p] = n + 1
             if not n:
                 t.releasable.discard(p)
 
     def _block_free(self, ev: BlockFree) -> None:
         t = self.tables
-        pool = ev.pool
+        pool: int
+        blocks: tuple[int, ...]
+        pool, blocks = _fields(ev)
         if pool >= t.npools:
             checks.bad_pool(t, pool, "BlockFree")
             return
         alloc, bpage, fix, pfix = t.alloc[pool], t.bpage[pool], t.bfree_ix[pool], t.pfree_ix
-        page_alloc, grace, pins, i, nb = t.page_alloc, t.grace, t.pins, t.index, len(alloc)
-        blocks: tuple[int, ...] = ev.blocks  # typed for mypyc: native ints in the loop
+        page_alloc, grace, pins, nb = t.page_alloc, t.grace, t.pins, len(alloc)
+        ix: Any = t.index  # boxed once (see the note above apply)
         for b in blocks:
             if b >= nb:
                 checks.bad_block(t, pool, b, "BlockFree")
                 continue
-            p = bpage[b]
+            p: int = bpage[b]
             if not alloc[b]:
                 t.violate("I3", "double-free", f"block {b} of pool {pool} freed while not allocated", page=p)
                 continue
             alloc[b] = 0
-            fix[b] = i
-            pfix[p] = i
-            n = page_alloc[p] - 1
+            fix[b] = ix
+            pfix[p] = ix
+            n: int = page_alloc[p] - 1
             page_alloc[p] = n
             if n:
                 continue
@@ -265,29 +287,30 @@ class Ledger(LedgerQueries):
                     t.grace_due[t.build] = [p]
                 else:
                     due.append(p)
-                k = pins[p]
+                k: int = pins[p]
                 pins[p] = k + 1
                 if not k:
                     t.pinned_pages += 1
                     if t.pinned_pages > t.peak_pinned_pages:
                         t.peak_pinned_pages = t.pinned_pages
-            grace[p] = i
+            grace[p] = ix
             if t.legacy and t.mapped[p] and p not in t.releasable:
                 t.releasable.add(p)
                 t.fresh.append(p)
 
     def _job_built(self, ev: JobBuilt) -> None:
         t = self.tables
-        job = ev.job
-        if job in t.jobs:
+        groups: tuple[tuple[int, ...], ...]
+        job, kind, req, groups, workers = _fields(ev)
+        jobs = t.jobs
+        if job in jobs:
             t.violate("I3", "duplicate-job", f"job {job} built again while outstanding", job=job)
             return
-        store = ev.kind == 0  # JobKind.STORE
+        store = kind is _STORE
         pages: list[int] = []
         epoch, mapped = t.epoch, t.mapped
         lost = False
         last = -1
-        groups: tuple[tuple[int, ...], ...] = ev.blocks
         for pool in range(len(groups)):
             ids: tuple[int, ...] = groups[pool]
             if not ids:
@@ -302,11 +325,12 @@ class Ledger(LedgerQueries):
                 # of a job come in runs, so comparing with the last page dedupes most of them.
                 if store:
                     for b in ids:
-                        p = bpage[b]
+                        p: int = bpage[b]
                         if p != last:
                             pages.append(p)
                             last = p
-                        if bepoch[b] != epoch[p]:
+                        e: int = bepoch[b]
+                        if e != epoch[p]:
                             lost = True
                 else:
                     for b in ids:
@@ -326,37 +350,31 @@ class Ledger(LedgerQueries):
         if store and t.owners_known:
             checks.store_owner(t, ev)
         # A JobState list (see tables.py): building a slotted object costs a third of this budget.
-        req = ev.req
-        t.jobs[job] = [ev.kind, req, tuple(pages), ev.workers, 0, t.build, t.index]
+        jobs[job] = [kind, req, tuple(pages), workers, 0, t.build, t.index]
         req_jobs = t.req_jobs
-        req_jobs[req] = req_jobs.get(req, 0) + 1
-        page_jobs, jobpins, pins = t.page_jobs, t.jobpins, t.pins
+        n: int = req_jobs.get(req, 0)
+        req_jobs[req] = n + 1
+        jobpins, pins, page_alloc = t.jobpins, t.pins, t.page_alloc
         legacy, unm = t.legacy, t.releasable
         for p in pages:
-            k = jobpins[p]
+            k: int = jobpins[p]
             jobpins[p] = k + 1
-            if not k:
-                page_jobs[p] = [job]
-            else:
-                lst = page_jobs[p]
-                lst.append(job)
-                if len(lst) > 2 * k + 8:  # a page that never comes free: drop reported jobs, amortised O(1)
-                    page_jobs[p] = [j for j in lst if j in t.jobs]
             k = pins[p]
             pins[p] = k + 1
             if not k:
                 t.pinned_pages += 1
                 if t.pinned_pages > t.peak_pinned_pages:
                     t.peak_pinned_pages = t.pinned_pages
-                if not legacy:
+                if not legacy and not page_alloc[p]:  # a page with blocks is never releasable
                     unm.discard(p)
         t.jobs_built += 1
 
     def _job_reported(self, ev: JobReported) -> None:
-        # Local annotations are for mypyc: typed ints and tuples compile to native operations.
         t = self.tables
-        job: int = ev.job
-        st = t.jobs.get(job)
+        count: int
+        job, count = _fields(ev)
+        jobs = t.jobs
+        st = jobs.get(job)
         if st is None:
             if not t.lossy:
                 t.violate(
@@ -364,8 +382,8 @@ class Ledger(LedgerQueries):
                     f"job {job} reported but not outstanding (never built, or already fully reported)", job=job,
                 )
             return
-        count: int = ev.count
-        reported: int = st[4] + count
+        reported: int = st[4]
+        reported += count
         st[4] = reported
         workers: int = st[3]
         if reported < workers:
@@ -375,24 +393,26 @@ class Ledger(LedgerQueries):
                 "I3", "over-report", f"job {job} reported {reported} times for {workers} worker(s)",
                 job=job, request=t.request_name(st[1]),
             )
-        del t.jobs[job]
-        jobpins, pins = t.jobpins, t.pins
+        del jobs[job]
+        jobpins, pins, legacy = t.jobpins, t.pins, t.legacy
         pages: tuple[int, ...] = st[2]
         for p in pages:
-            jobpins[p] -= 1
-            n = pins[p] - 1
+            k: int = jobpins[p]
+            jobpins[p] = k - 1
+            n: int = pins[p] - 1
             pins[p] = n
             if not n:
                 t.pinned_pages -= 1
-                if not t.legacy and t.mapped[p] and not t.page_alloc[p]:
+                if not legacy and t.mapped[p] and not t.page_alloc[p]:
                     t.releasable.add(p)
                     t.fresh.append(p)
-        req: int = st[1]
-        left = t.req_jobs[req] - 1
+        req: Any = st[1]
+        req_jobs = t.req_jobs
+        left: int = req_jobs[req] - 1
         if left:
-            t.req_jobs[req] = left
+            req_jobs[req] = left
         else:
-            del t.req_jobs[req]
+            del req_jobs[req]
             if req in t.finished:
                 del t.finished[req]
                 t.names.pop(req, None)

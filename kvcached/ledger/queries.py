@@ -174,11 +174,11 @@ class LedgerQueries:
         return self.tables.request_name(req)
 
     def jobs_on(self, page: int) -> list[int]:
-        """Outstanding jobs pinning ``page``, by id, in O(jobs built on it since it was last free)."""
+        """Outstanding jobs pinning ``page``, by id, in O(outstanding jobs)."""
         return self.tables.jobs_on(page)
 
     def why(self, page: int) -> PageStatus:
-        """Every reason ``page`` is kept, in O(pins on the page)."""
+        """Every reason ``page`` is kept, in O(outstanding jobs + pins on the page)."""
         t = self.tables
         pins: list[PinReason] = []
         for job in t.jobs_on(page):

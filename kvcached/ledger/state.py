@@ -96,21 +96,21 @@ POOL_TABLES: Final = ("alloc", "bepoch", "balloc_ix", "bfree_ix")
 CONFIG: Final = ("header", "policy", "liveness_builds")
 # Snapshot fields that are the table of the same name.
 KEPT: Final = tuple(f for f in LedgerSnapshot.__struct_fields__ if f not in ("pools", "jobs"))
+# Tables of 0/1 flags: lists in the ledger (tables.py says why), bytes in a snapshot.
+FLAGS: Final = frozenset({"mapped"})
 # Tables fixed by the header and the policy.
 FIXED: Final = frozenset({"legacy", "num_pages", "npools", "bpp", "first", "bpage"})
 # Tables that restore rebuilds from the kept ones (and the ledger's output, which it re-derives).
 DERIVED: Final = frozenset(
-    {"pins", "jobpins", "page_jobs", "grace_due", "req_holds", "req_jobs", "mapped_pages", "pinned_pages"}
+    {"pins", "jobpins", "grace_due", "req_holds", "req_jobs", "mapped_pages", "pinned_pages"}
     | {"releasable", "fresh"}
 )
 
 
 def _frozen(value: Any) -> Any:
-    """A table as the snapshot keeps it: copied, dicts in key order, sets sorted, bytes as bytes."""
+    """A table as the snapshot keeps it: copied, dicts in key order, sets sorted."""
     if isinstance(value, dict):
         return {k: _frozen(v) for k, v in sorted(value.items())}
-    if isinstance(value, bytearray):
-        return bytes(value)
     if isinstance(value, set):
         return sorted(value)
     if isinstance(value, list | array):
@@ -120,15 +120,13 @@ def _frozen(value: Any) -> Any:
 
 def _thawed(value: Any, like: Any) -> Any:
     """A snapshot field as a table of the type of ``like`` (the fresh table), copied."""
-    if isinstance(like, bytearray):
-        return bytearray(value)
     if isinstance(like, array):
         return array(like.typecode, value)
     if isinstance(like, set):
         return set(value)
     if isinstance(value, dict):  # at most two levels deep: {page: {req: build}}, {build: [req]}
         return {k: dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(like, list):  # a list, or the bytes of a flag table (FLAGS)
         return list(value)
     return value
 
@@ -137,7 +135,8 @@ def take_snapshot(t: LedgerTables) -> LedgerSnapshot:
     tables = zip(t.alloc, t.bepoch, t.balloc_ix, t.bfree_ix, strict=True)  # POOL_TABLES
     pools = [PoolState(bytes(a), list(e), list(ai), list(fi)) for a, e, ai, fi in tables]
     jobs = [JobRecord(job, int(st[0]), *st[1:]) for job, st in sorted(t.jobs.items())]
-    return LedgerSnapshot(pools=pools, jobs=jobs, **{name: _frozen(getattr(t, name)) for name in KEPT})
+    kept: dict[str, Any] = {n: bytes(getattr(t, n)) if n in FLAGS else _frozen(getattr(t, n)) for n in KEPT}
+    return LedgerSnapshot(pools=pools, jobs=jobs, **kept)
 
 
 def restore_snapshot(t: LedgerTables, s: LedgerSnapshot) -> None:
@@ -150,7 +149,7 @@ def restore_snapshot(t: LedgerTables, s: LedgerSnapshot) -> None:
         if name not in CONFIG:
             setattr(t, name, _thawed(getattr(s, name), getattr(t, name)))
     for i, ps in enumerate(s.pools):  # POOL_TABLES
-        t.alloc[i] = bytearray(ps.alloc)
+        t.alloc[i] = list(ps.alloc)
         t.bepoch[i] = list(ps.epoch)
         t.balloc_ix[i] = list(ps.alloc_ix)
         t.bfree_ix[i] = list(ps.free_ix)
@@ -163,13 +162,12 @@ def restore_snapshot(t: LedgerTables, s: LedgerSnapshot) -> None:
         for req in h:
             t.req_holds.setdefault(req, set()).add(p)
             pins[p] += 1
-    t.jobs, t.req_jobs, t.page_jobs = {}, {}, {}
+    t.jobs, t.req_jobs = {}, {}
     t.jobpins = [0] * t.num_pages
     for r in s.jobs:
         t.jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index]
         t.req_jobs[r.req] = t.req_jobs.get(r.req, 0) + 1
         for p in r.pages:
-            t.page_jobs.setdefault(p, []).append(r.job)
             t.jobpins[p] += 1
             pins[p] += 1
     t.pins = pins

@@ -52,23 +52,24 @@ class LedgerTables:
     bpage: list[list[int]]  # per pool, per block: its global page
 
     # --- per pool, per block ---
-    alloc: list[bytearray]  # 1 while allocated
+    # Flags are lists of 0 and 1, not bytearrays: mypyc indexes a list natively and a bytearray
+    # through the generic protocol, boxing the index (issue 18: a fifth of BlockAlloc's cost).
+    alloc: list[list[int]]  # 1 while allocated
     bepoch: list[list[int]]  # its page's epoch when it was last allocated (written); -1: never
     balloc_ix: list[list[int]]  # event index of its last alloc (-1: none), for witnesses
     bfree_ix: list[list[int]]  # event index of its last free (-1: none), for witnesses
 
     # --- per page ---
     page_alloc: list[int]  # blocks allocated on it
-    mapped: bytearray  # 1 while mapped
+    mapped: list[int]  # 1 while mapped
     epoch: list[int]  # unmaps so far: a block written in another epoch is lost
     unmap_ix: list[int]  # event index of its last unmap (-1: none)
     pfree_ix: list[int]  # event index of the last free of one of its blocks (-1: none)
     pins: list[int]  # job pins + grace + window holds on it (derived)
-    jobpins: list[int]  # outstanding jobs over it (derived)
-    # Jobs built over the page since its job pins were last zero, oldest first. A report does
-    # not touch this (it only counts jobpins down), so entries of reported jobs linger until the
-    # page's next job starts a fresh list; readers filter with jobs_on(page). (derived)
-    page_jobs: dict[int, list[int]]
+    # Outstanding jobs over it (derived). Which jobs those are is not indexed: ``jobs_on`` finds
+    # them in ``jobs``, for the slow paths that ask (why, a violation's witness, kvctl pins). A
+    # page -> jobs index cost a dict update and a list per job page on the hot path (issue 18).
+    jobpins: list[int]
 
     # --- grace and window holds ---
     grace: dict[int, int]  # page -> event index of the free that emptied it
@@ -151,18 +152,17 @@ class LedgerTables:
         self.bpage = [
             [first + b // bpp for b in range(n)] for first, bpp, n in zip(self.first, self.bpp, nb, strict=True)
         ]
-        self.alloc = [bytearray(n) for n in nb]
+        self.alloc = [[0] * n for n in nb]
         self.bepoch = [[-1] * n for n in nb]
         self.balloc_ix = [[-1] * n for n in nb]
         self.bfree_ix = [[-1] * n for n in nb]
         self.page_alloc = [0] * pages
-        self.mapped = bytearray(pages)
+        self.mapped = [0] * pages
         self.epoch = [0] * pages
         self.unmap_ix = [-1] * pages
         self.pfree_ix = [-1] * pages
         self.pins = [0] * pages
         self.jobpins = [0] * pages
-        self.page_jobs = {}
         self.grace, self.grace_due, self.holds, self.req_holds = {}, {}, {}, {}
         self.jobs, self.req_jobs, self.names = {}, {}, {}
         self.finished, self.finish_due, self.preempted = {}, {}, {}
@@ -194,8 +194,7 @@ class LedgerTables:
         return self.names.get(req, f"r{req}")
 
     def jobs_on(self, page: int) -> list[int]:
-        """Outstanding jobs pinning ``page``, by id, in O(jobs built on it since it was last free)."""
+        """Outstanding jobs pinning ``page``, by id, in O(outstanding jobs) (O(1) when none pins it)."""
         if not self.jobpins[page]:
             return []
-        jobs = self.jobs
-        return sorted(j for j in self.page_jobs[page] if j in jobs and page in jobs[j][2])
+        return sorted(j for j, st in self.jobs.items() if page in st[2])

@@ -82,11 +82,10 @@ def pin_rows(lg: Ledger) -> list[PinRow]:
     add = keyed.append
     t = lg.tables  # the ledger's state (kvcached/ledger/tables.py), read-only here
     jobs, names, build = t.jobs, t.names, t.build
-    for page in t.page_jobs:
-        for job in t.jobs_on(page):
-            kind, req, _, workers, reported, since, _ = jobs[job]
-            name = names.get(req)
-            request = f"r{req}" if name is None else name  # as LedgerTables.request_name
+    for job, (kind, req, pages, workers, reported, since, _) in jobs.items():
+        name = names.get(req)
+        request = f"r{req}" if name is None else name  # as LedgerTables.request_name
+        for page in pages:
             row = PinRow(page, "job", since, job, "load" if kind else "store", request, workers - reported)
             add((page, 0, job, row))
     for page in t.grace:
