@@ -137,7 +137,7 @@ def store_owner(t: LedgerTables, ev: JobBuilt) -> None:
 def unmap_under_jobs(t: LedgerTables, p: int) -> None:
     """The page goes while jobs still copy from or to it: the freed-block copy itself."""
     for job in t.jobs_on(p):
-        kind, req, _, workers, reported, build, index = t.jobs[job]
+        kind, req, _, workers, reported, build, index, _ = t.jobs[job]
         chain = _links(
             t,
             ChainLink(step="pin", index=index, build=build, what=f"{_kind(kind)} job {job} built over page {p}"),
@@ -162,10 +162,10 @@ def late_copy(t: LedgerTables, job: int) -> None:
 
 def finished_request(t: LedgerTables, req: int, n: int) -> None:
     """I4: a finished request's jobs must be reported within ``liveness_builds`` builds."""
-    if req not in t.finished or not t.req_jobs.get(req):
+    if req not in t.finished:  # its jobs have all been reported
         return
     job = min(j for j, st in t.jobs.items() if st[1] == req)  # rare: scanning the jobs is fine
-    _, _, pages, workers, reported, _, _ = t.jobs[job]
+    _, _, pages, workers, reported, _, _, _ = t.jobs[job]
     since = t.finished[req]
     t.violate(
         "I4", "pin-outlives-request",

@@ -344,29 +344,35 @@ class Ledger(LedgerQueries):
                 checks.bad_block(t, pool, max(ids), f"job {job}")
                 return
         if len(pages) > 1 and not _increasing(pages):  # runs of blocks give increasing pages
-            pages = list(dict.fromkeys(pages))
+            pages = sorted(set(pages))
         if lost:
             checks.lost_blocks(t, ev)
         if store and t.owners_known:
             checks.store_owner(t, ev)
+        outstanding = t.req_jobs.get(req)
+        if outstanding is None:
+            outstanding = t.req_jobs[req] = [0]
+        n: int = outstanding[0]
+        outstanding[0] = n + 1
         # A JobState list (see tables.py): building a slotted object costs a third of this budget.
-        jobs[job] = [kind, req, tuple(pages), workers, 0, t.build, t.index]
-        req_jobs = t.req_jobs
-        n: int = req_jobs.get(req, 0)
-        req_jobs[req] = n + 1
+        jobs[job] = [kind, req, tuple(pages), workers, 0, t.build, t.index, outstanding]
         jobpins, pins, page_alloc = t.jobpins, t.pins, t.page_alloc
         legacy, unm = t.legacy, t.releasable
+        newly = 0
         for p in pages:
             k: int = jobpins[p]
             jobpins[p] = k + 1
             k = pins[p]
             pins[p] = k + 1
             if not k:
-                t.pinned_pages += 1
-                if t.pinned_pages > t.peak_pinned_pages:
-                    t.peak_pinned_pages = t.pinned_pages
+                newly += 1
                 if not legacy and not page_alloc[p]:  # a page with blocks is never releasable
                     unm.discard(p)
+        if newly:  # pins only grow here: the peak is at the end of the event
+            n = t.pinned_pages + newly
+            t.pinned_pages = n
+            if n > t.peak_pinned_pages:
+                t.peak_pinned_pages = n
         t.jobs_built += 1
 
     def _job_reported(self, ev: JobReported) -> None:
@@ -396,25 +402,26 @@ class Ledger(LedgerQueries):
         del jobs[job]
         jobpins, pins, legacy = t.jobpins, t.pins, t.legacy
         pages: tuple[int, ...] = st[2]
+        unpinned = 0
         for p in pages:
             k: int = jobpins[p]
             jobpins[p] = k - 1
             n: int = pins[p] - 1
             pins[p] = n
             if not n:
-                t.pinned_pages -= 1
+                unpinned += 1
                 if not legacy and t.mapped[p] and not t.page_alloc[p]:
                     t.releasable.add(p)
                     t.fresh.append(p)
-        req: Any = st[1]
-        req_jobs = t.req_jobs
-        left: int = req_jobs[req] - 1
-        if left:
-            req_jobs[req] = left
-        else:
-            del req_jobs[req]
-            if req in t.finished:
+        t.pinned_pages -= unpinned
+        outstanding: list[int] = st[7]  # its request's count in req_jobs
+        left: int = outstanding[0] - 1
+        outstanding[0] = left
+        if not left and t.finished:
+            req: Any = st[1]
+            if req in t.finished:  # its last job: the finished request is gone
                 del t.finished[req]
+                del t.req_jobs[req]
                 t.names.pop(req, None)
         if t.job_violation:
             checks.late_copy(t, job)
@@ -462,10 +469,12 @@ class Ledger(LedgerQueries):
             # Its last stores may still be built in the next build (after the free): forget
             # what it held once that build is built.
             t.owned_due.setdefault(t.build + 1, []).append(req)
-        if req in t.req_jobs:
+        outstanding = t.req_jobs.get(req)
+        if outstanding is not None and outstanding[0]:
             t.finished[req] = t.build
             t.finish_due.setdefault(t.build + t.liveness_builds, []).append(req)
         else:
+            t.req_jobs.pop(req, None)
             t.names.pop(req, None)
 
     def _request_preempted(self, ev: RequestPreempted) -> None:

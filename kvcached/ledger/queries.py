@@ -182,7 +182,7 @@ class LedgerQueries:
         t = self.tables
         pins: list[PinReason] = []
         for job in t.jobs_on(page):
-            kind, req, _, workers, reported, build, _ = t.jobs[job]
+            kind, req, _, workers, reported, build, _, _ = t.jobs[job]
             pins.append(
                 PinReason(
                     kind="job",

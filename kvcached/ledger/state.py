@@ -134,7 +134,7 @@ def _thawed(value: Any, like: Any) -> Any:
 def take_snapshot(t: LedgerTables) -> LedgerSnapshot:
     tables = zip(t.alloc, t.bepoch, t.balloc_ix, t.bfree_ix, strict=True)  # POOL_TABLES
     pools = [PoolState(bytes(a), list(e), list(ai), list(fi)) for a, e, ai, fi in tables]
-    jobs = [JobRecord(job, int(st[0]), *st[1:]) for job, st in sorted(t.jobs.items())]
+    jobs = [JobRecord(job, int(st[0]), *st[1:7]) for job, st in sorted(t.jobs.items())]  # less req_jobs' count
     kept: dict[str, Any] = {n: bytes(getattr(t, n)) if n in FLAGS else _frozen(getattr(t, n)) for n in KEPT}
     return LedgerSnapshot(pools=pools, jobs=jobs, **kept)
 
@@ -165,8 +165,9 @@ def restore_snapshot(t: LedgerTables, s: LedgerSnapshot) -> None:
     t.jobs, t.req_jobs = {}, {}
     t.jobpins = [0] * t.num_pages
     for r in s.jobs:
-        t.jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index]
-        t.req_jobs[r.req] = t.req_jobs.get(r.req, 0) + 1
+        outstanding = t.req_jobs.setdefault(r.req, [0])
+        outstanding[0] += 1
+        t.jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index, outstanding]
         for p in r.pages:
             t.jobpins[p] += 1
             pins[p] += 1

@@ -27,9 +27,10 @@ from ..errors import ConfigError
 from .events import Header, Policy
 from .findings import InvariantId, Violation
 
-# An outstanding job: [kind, req, pages, workers, reported, build, index]. A list, not an
-# object, because it is made and dropped on the hot path (a slotted object would cost a third
-# of JobBuilt's budget); ``reported`` is counted up in place.
+# An outstanding job: [kind, req, pages, workers, reported, build, index, count], where count
+# is its request's entry of ``req_jobs``. A list, not an object, because it is made and dropped
+# on the hot path (a slotted object would cost a third of JobBuilt's budget); ``reported`` is
+# counted up in place.
 JobState = list[Any]
 
 
@@ -79,7 +80,11 @@ class LedgerTables:
 
     # --- jobs and requests ---
     jobs: dict[int, JobState]  # outstanding jobs by id (a snapshot keeps them as JobRecords)
-    req_jobs: dict[int, int]  # request -> its outstanding jobs, a count (derived)
+    # request -> [its outstanding jobs], a count in a one-item list that its jobs share (the
+    # last item of a JobState), so that a report counts it down without looking the request up.
+    # The entry lives from the request's first job until it has finished and has no job left;
+    # a request that has not finished keeps it at zero. (derived: restore makes the non-zero ones)
+    req_jobs: dict[int, list[int]]
     names: dict[int, str]  # request -> its name, while the request or its jobs live
     finished: dict[int, int]  # request -> the build of its last build, while its jobs remain
     finish_due: dict[int, list[int]]  # build -> finished requests whose jobs must be reported by then

@@ -82,7 +82,7 @@ def pin_rows(lg: Ledger) -> list[PinRow]:
     add = keyed.append
     t = lg.tables  # the ledger's state (kvcached/ledger/tables.py), read-only here
     jobs, names, build = t.jobs, t.names, t.build
-    for job, (kind, req, pages, workers, reported, since, _) in jobs.items():
+    for job, (kind, req, pages, workers, reported, since, _, _) in jobs.items():
         name = names.get(req)
         request = f"r{req}" if name is None else name  # as LedgerTables.request_name
         for page in pages:
