@@ -407,3 +407,24 @@ def test_a_page_that_never_comes_free_names_only_its_outstanding_job() -> None:
         lg.apply(JobReported(job - 1, 1))
     assert [p.job for p in lg.why(0).pins] == [4999]
     assert len(lg.tables.jobs) == 1
+
+
+def test_fresh_pages_nobody_takes_stay_within_the_pages() -> None:
+    # The journal service's replica and kvreplay apply recorded decisions and never take the
+    # fresh releasable pages an allocator would: the list must not grow with the trace (it
+    # held 12,863 pages after a million synthetic events), and a late take still gives exactly
+    # the releasable pages, each once.
+    from itertools import islice
+
+    from kvcached.testing import synth
+
+    h = synth.header()
+    events = list(derive(Ledger(h), islice(synth.workload(3, preempt_every=0), 60_000)))
+    lg = Ledger(h)
+    t = lg.tables
+    for ev in events:
+        lg.apply(ev)
+        if type(ev) is BuildBoundary:
+            assert len(t.fresh) <= 2 * len(t.releasable) + 64, t.index
+    taken = lg.take_fresh_releasable()
+    assert len(taken) == len(set(taken)) and set(taken) <= lg.tables.releasable

@@ -217,6 +217,10 @@ class Ledger(LedgerQueries):
         t.boundary_build.append(n)
         t.build = n + 1
         t.builds += 1
+        if len(t.fresh) > 2 * len(t.releasable) + 64:
+            # Nobody takes them (the journal service's replica, kvreplay replaying recorded
+            # decisions): keep what a take would return, so that the list stays within the pages.
+            t.fresh = t.fresh_releasable()
         if t.limit is not None and t.mapped_pages > t.limit:
             if t.over_limit_since is None:
                 t.over_limit_since = n

@@ -138,9 +138,9 @@ class LedgerQueries:
     def take_fresh_releasable(self) -> list[int]:
         """Pages that became releasable since the last call and still are (for an allocator)."""
         t = self.tables
-        fresh, t.fresh = t.fresh, []
-        unm = t.releasable
-        return [p for p in dict.fromkeys(fresh) if p in unm]
+        out = t.fresh_releasable()
+        t.fresh = []
+        return out
 
     def build_of(self, index: int) -> int:
         """The build an event index belonged to (-1 for an index before the trace)."""

@@ -198,6 +198,11 @@ class LedgerTables:
     def request_name(self, req: int) -> str:
         return self.names.get(req, f"r{req}")
 
+    def fresh_releasable(self) -> list[int]:
+        """The pages of ``fresh`` that are still releasable, each once, in the order they became so."""
+        unm = self.releasable
+        return [p for p in dict.fromkeys(self.fresh) if p in unm]
+
     def jobs_on(self, page: int) -> list[int]:
         """Outstanding jobs pinning ``page``, by id, in O(outstanding jobs) (O(1) when none pins it)."""
         if not self.jobpins[page]:
