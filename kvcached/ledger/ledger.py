@@ -384,7 +384,7 @@ class Ledger(LedgerQueries):
         count: int
         job, count = _fields(ev)
         jobs = t.jobs
-        st = jobs.get(job)
+        st = jobs.pop(job, None)  # one lookup: a job is nearly always done at its first report
         if st is None:
             if not t.lossy:
                 t.violate(
@@ -397,13 +397,13 @@ class Ledger(LedgerQueries):
         st[4] = reported
         workers: int = st[3]
         if reported < workers:
+            jobs[job] = st  # more workers to hear from
             return
         if reported > workers:
             t.violate(
                 "I3", "over-report", f"job {job} reported {reported} times for {workers} worker(s)",
                 job=job, request=t.request_name(st[1]),
             )
-        del jobs[job]
         jobpins, pins, legacy = t.jobpins, t.pins, t.legacy
         pages: tuple[int, ...] = st[2]
         unpinned = 0
