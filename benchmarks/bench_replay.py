@@ -15,8 +15,14 @@ The synthetic traces are ``synth.workload(7, preempt_every=0)`` (see ``generate`
   65,536 events, by the compiled build). Flat peaks mean memory does not grow with the trace.
 * minimize: time and result size of ``kvreplay minimize`` on the randomized workload with
   decisions derived under ``legacy`` (which shows freed-block copies).
+* instructions (``--parts instructions``, needs valgrind): instructions per replayed event,
+  which do not drift with the machine as its clock does (issue 18: on this shared 2-core
+  machine the same build's events/s swing by 40% within an hour). callgrind counts a whole
+  ``run_check`` child on two prefixes of one synthetic trace (131,072 and 300,000 events); the
+  difference over the events between them leaves out start-up and imports.
 
-    python benchmarks/bench_replay.py [--runs 3] [--check-events 1000000] [--sizes 1e6,5e6,1e7] [--json]
+    python benchmarks/bench_replay.py [--runs 3] [--check-events 1000000] [--sizes 1e6,5e6,1e7]
+        [--parts check,memory,minimize,instructions] [--json]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import io
 import itertools
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -84,6 +91,27 @@ def child_check(path: str, runs: int) -> dict[str, Any]:
         "eps": statistics.median(rates),
         "best_eps": max(rates),
     }
+
+
+def child_once(path: str) -> dict[str, Any]:
+    from kvreplay.check import run_check
+
+    return {"events": run_check(path, progress=False).ledger.index}
+
+
+def instructions(build: str, short: str, long: str, events: int) -> float:
+    """Instructions per event of ``run_check`` under ``build``: callgrind's totals for the two
+    prefixes, differenced (the same start-up in both), divided by the events between them."""
+    totals = []
+    for path in (short, long):
+        cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-P", __file__]
+        env = dict(os.environ, PYTHONPATH=build)
+        proc = subprocess.run([*cmd, "--child", "once", path], env=env, capture_output=True, text=True, cwd=ROOT)
+        found = re.search(r"Collected : (\d+)", proc.stderr)
+        if proc.returncode or found is None:
+            sys.exit(f"callgrind failed on {path}:\n{proc.stderr[-2000:]}")
+        totals.append(int(found.group(1)))
+    return (totals[1] - totals[0]) / events
 
 
 def child_rss(path: str) -> dict[str, Any]:
@@ -153,12 +181,14 @@ def main() -> int:
             out = child_check(rest[0], int(rest[1]))
         elif what == "rss":
             out = child_rss(rest[0])
+        elif what == "once":
+            out = child_once(rest[0])
         else:
             out = child_minimize(rest[0], rest[1])
         print(json.dumps(out))
         return 0
 
-    results: dict[str, Any] = {"check": {}, "memory": [], "minimize": {}}
+    results: dict[str, Any] = {"check": {}, "memory": [], "minimize": {}, "instructions": {}}
     with tempfile.TemporaryDirectory() as tmp:
         from _builds import builds as make_builds
 
@@ -179,6 +209,17 @@ def main() -> int:
             for name, build in builds.items():
                 dest = os.path.join(tmp, f"min-{name}.kvj")
                 results["minimize"][name] = _child(build, "minimize", min_trace, dest)
+        if "instructions" in parts:
+            if shutil.which("valgrind") is None:
+                sys.exit("--parts instructions needs valgrind (callgrind) on PATH")
+            short, long = os.path.join(tmp, "short.kvj"), os.path.join(tmp, "long.kvj")
+            gen = _child(compiled, "generate", long, "300000", "ledger", "100000")
+            shutil.copyfile(long, short)
+            os.truncate(short, gen["offsets"]["100000"])  # the frame boundary at or after 100,000
+            first = _child(compiled, "once", short)["events"]
+            for name, build in builds.items():
+                results["instructions"][name] = instructions(build, short, long, 300_000 - first)
+            results["instructions_events"] = 300_000 - first
         if "memory" in parts:
             big = os.path.join(tmp, "big.kvj")
             sizes = sorted(args.sizes)
@@ -207,6 +248,11 @@ def main() -> int:
         for name in builds:
             r = results["check"][name]
             print(f"  {name:>8}: {r['eps']:>10,.0f} events/s median, {r['best_eps']:>10,.0f} best (target >= 500,000)")
+    if results["instructions"]:
+        n = results["instructions_events"]
+        print(f"instructions: callgrind, per event of kvreplay check over {n:,} synthetic events")
+        for name in builds:
+            print(f"  {name:>8}: {results['instructions'][name]:>8,.0f} instructions/event")
     if results["memory"]:
         print(
             "memory: kvreplay check --json on prefixes of one trace (compiled build; trace generated in "

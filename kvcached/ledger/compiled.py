@@ -34,7 +34,7 @@ COMPILED_MODULES: tuple[str, ...] = (
 # What the pure-Python ledger costs, measured (see the module docstring).
 PURE_COST = (
     "kvcached's share of vLLM's scheduler step is about 3x as large (5% against 1.6% at 256 running "
-    "requests), the ledger's apply takes about 2x the time and kvreplay replays about half as fast"
+    "requests), the ledger's apply takes 3-5x the time and kvreplay replays at under half the speed"
 )
 
 
