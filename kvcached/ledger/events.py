@@ -32,7 +32,7 @@ INT64_MAX: Final = 2**63 - 1
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 
-# What a header may declare. The ledger allocates its per-block tables up front (65 to 115 bytes
+# What a header may declare. The ledger allocates its per-block tables up front (72 to 122 bytes
 # a block, by blocks per page), so a forged 171-byte header declaring 2**26 blocks took 7.5 GB and
 # 20 s. The bound is what a real GPU can hold, refused before anything is allocated. vLLM gives
 # the KV cache at most ~90% of a GPU (gpu_memory_utilization's default is 0.9): an H200's 141 GB
