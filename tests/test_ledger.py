@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from itertools import islice
 from pathlib import Path
 
 import msgspec
@@ -33,6 +34,7 @@ from kvcached.ledger.events import (
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive, replay
 from kvcached.ledger.state import LedgerSnapshot
+from kvcached.testing import synth
 from kvcached.testing.seed_cases import SCENARIOS, preempt_shrink
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -414,10 +416,6 @@ def test_fresh_pages_nobody_takes_stay_within_the_pages() -> None:
     # fresh releasable pages an allocator would: the list must not grow with the trace (it
     # held 12,863 pages after a million synthetic events), and a late take still gives exactly
     # the releasable pages, each once.
-    from itertools import islice
-
-    from kvcached.testing import synth
-
     h = synth.header()
     events = list(derive(Ledger(h), islice(synth.workload(3, preempt_every=0), 60_000)))
     lg = Ledger(h)
