@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .backends.base import Backend
+from .backends.base import Backend, PageStillMappedError
 from .errors import BackendError, ConfigError, KvcachedError
 from .ledger.events import BlockAlloc, BlockFree, Header, Policy, PoolGeometry
 from .ledger.ledger import Ledger
@@ -109,8 +109,28 @@ class _Slots:
             raise
 
     def unmap_page(self, index: int) -> None:
+        # All or none here too. A slot that fails having returned nothing (PageStillMappedError)
+        # gets the slots unmapped before it mapped again, so that the page is whole and still
+        # mapped, as the error tells the allocator (which tries again later); the page is empty,
+        # so they lose nothing by coming back zeroed. Any other failure returned the slot's
+        # memory (``Backend.unmap_page``): the rest are unmapped as well and the error raised.
+        done: list[tuple[Backend, int]] = []
+        gone: BackendError | None = None
         for backend, slot in self._slots(index):
-            backend.unmap_page(slot)
+            try:
+                backend.unmap_page(slot)
+            except PageStillMappedError as e:
+                if gone is None:
+                    for b, s in done:
+                        b.map_page(s)  # a failure here is a plain BackendError: the page counts as gone
+                    raise
+                gone.add_note(f"slot {slot} of {backend.kind} stays mapped: {e}")
+                continue
+            except BackendError as e:
+                gone = gone or e
+            done.append((backend, slot))
+        if gone is not None:
+            raise gone
 
 
 class KVCacheManager:

@@ -34,6 +34,7 @@ mid-step; the budget stays over its size by that page until pages are given back
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
@@ -41,12 +42,14 @@ from typing import Protocol
 
 import msgspec
 
+from .backends.base import PageStillMappedError
 from .errors import BackendError, KvcachedError
 from .ledger.events import MemoryLimit, PageMapped, PageUnmapped
 from .ledger.recorder import Recorder
 from .settings import format_size as format_bytes
 
 _NONE: frozenset[int] = frozenset()
+log = logging.getLogger("kvcached.page_allocator")
 
 
 class OutOfPagesError(KvcachedError):
@@ -142,6 +145,10 @@ class PageAllocator:
         self._in_use: set[int] = set()
         # Reserved pages the ledger lets go: the only pages _trim may unmap.
         self._goable: set[int] = set()
+        # Goable pages whose unmap failed with the page still mapped (each logged once), and
+        # whether the last trim left any of them to try again.
+        self._unmap_failed: set[int] = set()
+        self._unmap_retry = False
         # Bumped by every change to what ``pages_available``/``hands_out`` answer (the budget's
         # headroom aside): by each public call that moves pages, and by ``_drain``, the move
         # ``drain_releasable`` makes before it trims. The manager caches its block count behind
@@ -302,7 +309,7 @@ class PageAllocator:
         ask. Call it after recording an event that the allocator did not make (the bridge does,
         after each of its events): the ledger queues the pages an event lets go until then."""
         fresh = self._drain()
-        if fresh:
+        if fresh or self._unmap_retry:
             self._trim()
 
     def _drain(self) -> AbstractSet[int]:
@@ -321,18 +328,34 @@ class PageAllocator:
         return fresh
 
     def _trim(self) -> None:
+        kept: list[int] = []
         while self._goable and (len(self._reserved) > self.max_reserved or self.mapped > self.limit):
             page = max(self._goable)  # give back the top of the range first
             self._goable.discard(page)
             try:
                 self.backend.unmap_page(page)
-            except BackendError:
-                continue  # still mapped and reserved; a later trim tries again
+            except PageStillMappedError as e:
+                # Nothing was returned: the page is still mapped, reserved and let go. It is goable
+                # again after this pass (within it, max() would pick it again), and the next drain
+                # tries again even if no page has become releasable since.
+                if page not in self._unmap_failed:
+                    log.warning("page %d stays mapped, to be unmapped again at the next drain: %s", page, e)
+                self._unmap_failed.add(page)
+                kept.append(page)
+                continue
+            except BackendError as e:
+                # The memory was returned and only a step after it failed (``Backend.unmap_page``
+                # marks the slot unmapped first): the page is unmapped and must be counted so, or
+                # it would be handed out again with nothing behind it.
+                log.warning("page %d unmapped with an error: %s", page, e)
+            self._unmap_failed.discard(page)
             self._reserved.discard(page)
             heapq.heappush(self._free, page)
             if self.budget is not None:
                 self.budget.release(self.page_cost)
             self.recorder.emit(PageUnmapped(self.base + page))
+        self._goable.update(kept)
+        self._unmap_retry = bool(kept)
 
     def set_limit(self, pages: int) -> AllocatorState:
         """Lower or raise the limit; a lowered limit shrinks now as far as the ledger allows."""

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from kvcached.backends.base import PageStillMappedError
 from kvcached.backends.host import HostBackend
 from kvcached.errors import BackendError, ConfigError
 from kvcached.kv_cache_manager import BlockStateError, KVCacheManager, KVGeometry, Layout, OutOfBlocksError
@@ -365,6 +366,65 @@ def test_per_layer_map_failure_rolls_back_every_layer(make, monkeypatch) -> None
     assert m.backend.mapped_count == 0
     assert m.recorder.ledger.mapped_pages == 0  # nothing recorded
     assert m.recorder.ledger.index == 0
+
+
+def fail_unmap(monkeypatch, fail: dict[int, type[BackendError]]) -> None:
+    """HostBackend's unmap of slot i fails once with ``fail[i]``: a PageStillMappedError before
+    touching the slot, any other error after the memory is gone (as CUDA's cuMemRelease can)."""
+    real = HostBackend._unmap
+
+    def unmap(self: HostBackend, index: int) -> None:
+        error = fail.pop(index, None)
+        if error is PageStillMappedError:
+            raise error(f"injected: slot {index} still mapped")
+        real(self, index)
+        if error is not None:
+            raise error(f"injected: slot {index} returned, clean-up failed")
+
+    monkeypatch.setattr(HostBackend, "_unmap", unmap)
+
+
+def emptied_page(m: KVCacheManager) -> None:
+    """Page 0 had blocks and was emptied in build 0: building it lets the page go."""
+    m.free(m.alloc(2))
+
+
+def test_a_page_still_mapped_after_a_failed_unmap_is_unmapped_at_the_next_drain(make, monkeypatch, caplog) -> None:
+    m = make("ledger")
+    emptied_page(m)
+    fail_unmap(monkeypatch, {0: PageStillMappedError})
+    record(m, BuildBoundary(0))  # grace ends: page 0 may go, and its unmap fails
+    assert m.backend.is_mapped(0) and m.allocator.mapped == 1 and m.recorder.ledger.mapped_pages == 1
+    assert [r.getMessage() for r in caplog.records if "stays mapped" in r.getMessage()] != []
+    record(m, BuildBoundary(1))  # nothing new is releasable: the retry alone unmaps it
+    assert not m.backend.is_mapped(0) and m.allocator.mapped == 0 and m.recorder.ledger.mapped_pages == 0
+    assert m.recorder.ledger.violations == []
+    assert len(m.alloc(2)) == 2 and m.backend.is_mapped(0)  # and it maps again
+
+
+def test_a_page_whose_unmap_returned_its_memory_and_then_failed_counts_as_unmapped(make, monkeypatch) -> None:
+    m = make("ledger")
+    emptied_page(m)
+    fail_unmap(monkeypatch, {0: BackendError})
+    record(m, BuildBoundary(0))
+    # Counted as mapped, it would be handed out with no memory behind it.
+    assert not m.backend.is_mapped(0) and m.allocator.mapped == 0 and m.recorder.ledger.mapped_pages == 0
+    (b,) = m.alloc(1)  # mapped afresh before a block goes on it
+    assert m.backend.is_mapped(0)
+    write(m, b, 7)
+    assert int(m.block_view(b)[0]) == 7
+    assert m.recorder.ledger.violations == []
+
+
+def test_per_layer_unmap_failure_leaves_the_page_whole(make, monkeypatch) -> None:
+    g = geometry(num_blocks=8, layout=Layout.PER_LAYER, num_layers=3)
+    m = make("ledger", geo=g)
+    emptied_page(m)
+    fail_unmap(monkeypatch, {4: PageStillMappedError})  # page 0 of the third layer's region
+    record(m, BuildBoundary(0))  # regions 0 and 1 unmapped, region 2 fails: they are mapped back
+    assert m.backend.mapped_count == 3 and m.recorder.ledger.mapped_pages == 1
+    record(m, BuildBoundary(1))
+    assert m.backend.mapped_count == 0 and m.recorder.ledger.mapped_pages == 0
 
 
 # --- settings ---------------------------------------------------------------------------------------
