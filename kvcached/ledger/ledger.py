@@ -359,7 +359,7 @@ class Ledger(LedgerQueries):
         n: int = outstanding[0]
         outstanding[0] = n + 1
         # A JobState list (see tables.py): building a slotted object costs a third of this budget.
-        jobs[job] = [kind, req, tuple(pages), workers, 0, t.build, t.index, outstanding]
+        jobs[job] = [kind, req, pages, workers, 0, t.build, t.index, outstanding]
         jobpins, pins, page_alloc = t.jobpins, t.pins, t.page_alloc
         legacy, unm = t.legacy, t.releasable
         newly = 0
@@ -405,7 +405,7 @@ class Ledger(LedgerQueries):
                 job=job, request=t.request_name(st[1]),
             )
         jobpins, pins, legacy = t.jobpins, t.pins, t.legacy
-        pages: tuple[int, ...] = st[2]
+        pages: list[int] = st[2]
         unpinned = 0
         for p in pages:
             k: int = jobpins[p]

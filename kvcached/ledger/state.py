@@ -134,7 +134,8 @@ def _thawed(value: Any, like: Any) -> Any:
 def take_snapshot(t: LedgerTables) -> LedgerSnapshot:
     tables = zip(t.alloc, t.bepoch, t.balloc_ix, t.bfree_ix, strict=True)  # POOL_TABLES
     pools = [PoolState(bytes(a), list(e), list(ai), list(fi)) for a, e, ai, fi in tables]
-    jobs = [JobRecord(job, int(st[0]), *st[1:7]) for job, st in sorted(t.jobs.items())]  # less req_jobs' count
+    # A JobState less its request's count; its pages are a list (the hot path's, unconverted).
+    jobs = [JobRecord(job, int(st[0]), st[1], tuple(st[2]), *st[3:7]) for job, st in sorted(t.jobs.items())]
     kept: dict[str, Any] = {n: bytes(getattr(t, n)) if n in FLAGS else _frozen(getattr(t, n)) for n in KEPT}
     return LedgerSnapshot(pools=pools, jobs=jobs, **kept)
 
@@ -167,7 +168,7 @@ def restore_snapshot(t: LedgerTables, s: LedgerSnapshot) -> None:
     for r in s.jobs:
         outstanding = t.req_jobs.setdefault(r.req, [0])
         outstanding[0] += 1
-        t.jobs[r.job] = [r.kind, r.req, r.pages, r.workers, r.reported, r.build, r.index, outstanding]
+        t.jobs[r.job] = [r.kind, r.req, list(r.pages), r.workers, r.reported, r.build, r.index, outstanding]
         for p in r.pages:
             t.jobpins[p] += 1
             pins[p] += 1
