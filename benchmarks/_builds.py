@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,29 @@ def builds(tmp: str, *, compiled: bool = True) -> dict[str, str]:
         subprocess.run(["bash", str(ROOT / "scripts/build-compiled.sh"), path], check=True)
         out["compiled"] = path
     return out
+
+
+def builds_at(rev: str, tmp: str) -> dict[str, str]:
+    """{"pure@REV", "compiled@REV"}: ``kvcached`` and ``kvreplay`` as they were at git revision
+    ``rev``, each build with its own copy of ``kvreplay`` (on ``PYTHONPATH`` it comes before the
+    editable install's), the compiled one made by that revision's ``build-compiled.sh``. For a
+    comparison with older code in one run, as an issue's "today N events/s" was measured on a
+    machine whose speed has moved since."""
+    src = os.path.join(tmp, f"src-{rev}")
+    os.makedirs(src)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "kvcached", "tools/replay", "scripts", "setup.py"],
+        check=True, capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+    os.symlink(ROOT / ".venv", os.path.join(src, ".venv"))  # the build script runs its root's mypyc
+    pure, compiled = os.path.join(tmp, f"pure-{rev}"), os.path.join(tmp, f"compiled-{rev}")
+    os.makedirs(pure)
+    shutil.copytree(os.path.join(src, "kvcached"), os.path.join(pure, "kvcached"))
+    subprocess.run(["bash", os.path.join(src, "scripts/build-compiled.sh"), compiled], check=True)
+    for build in (pure, compiled):
+        shutil.copytree(os.path.join(src, "tools/replay"), os.path.join(build, "kvreplay"))
+    return {f"pure@{rev}": pure, f"compiled@{rev}": compiled}
 
 
 def child(build: str, script: str, *args: str, cwd: str | None = None) -> Any:
