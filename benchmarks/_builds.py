@@ -37,7 +37,7 @@ def builds_at(rev: str, tmp: str) -> dict[str, str]:
     src = os.path.join(tmp, f"src-{rev}")
     os.makedirs(src)
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "kvcached", "tools/replay", "scripts", "setup.py"],
+        ["git", "-C", str(ROOT), "archive", rev, "kvcached", "tools", "scripts", "setup.py"],
         check=True, capture_output=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
@@ -46,8 +46,10 @@ def builds_at(rev: str, tmp: str) -> dict[str, str]:
     os.makedirs(pure)
     shutil.copytree(os.path.join(src, "kvcached"), os.path.join(pure, "kvcached"))
     subprocess.run(["bash", os.path.join(src, "scripts/build-compiled.sh"), compiled], check=True)
+    # kvreplay's source: tools/kvreplay, or tools/replay at revisions before the tools lived together.
+    replay = next(d for d in ("tools/kvreplay", "tools/replay") if os.path.isdir(os.path.join(src, d)))
     for build in (pure, compiled):
-        shutil.copytree(os.path.join(src, "tools/replay"), os.path.join(build, "kvreplay"))
+        shutil.copytree(os.path.join(src, replay), os.path.join(build, "kvreplay"))
     return {f"pure@{rev}": pure, f"compiled@{rev}": compiled}
 
 

@@ -5,7 +5,7 @@ vLLM 0.33's ``schedule()`` + ``update_from_output()`` is on the critical path of
 vLLM serves, and it is what kvcached's bridge, ledger and page-aware pool add to. This machine
 is shared and busy: timed one after the other, the same variant swings by 30% between runs. So
 every variant gets its own real vLLM ``Scheduler`` (with its real ``OffloadingConnector``, built
-by ``kvcached.testing.harness``), all of them in one process, driven with the same requests,
+by ``kvcached.vllm.testing.harness``), all of them in one process, driven with the same requests,
 and they are stepped *interleaved*: alternation ``i`` runs step ``i`` of every variant, in a
 rotating order, so that whatever the machine does in that second hits all variants alike. Each
 alternation gives one ratio per variant (its step time over vLLM alone's same step); the report
@@ -17,7 +17,7 @@ median with a 95% bootstrap interval. Variants:
 * ``bridge+journal``: the same, journaled by the ledger service as the plugin configures it;
 * ``kvcached``: the bridge and the page-aware pool over kvcached's manager, no journal (what
   ``ENABLE_KVCACHED=1`` runs by default);
-* ``kvcached+all``: that, with the ledger service a served engine runs (``serve.plugin.
+* ``kvcached+all``: that, with the ledger service a served engine runs (``engine_core.served.
   service_config``: journal, live socket, replica, flight recorder).
 
 Only the two scheduler calls are timed; the harness's worker side (its connectors, byte copies
@@ -111,7 +111,7 @@ class Variant:
     """One variant: a harness (real Scheduler + OffloadingConnector) and kvcached under it."""
 
     def __init__(self, name: str, w: Workload, tmp: str, timer: Callable[..., Any]) -> None:
-        from kvcached.testing.harness import Harness, HarnessConfig
+        from kvcached.vllm.testing.harness import Harness, HarnessConfig
 
         self.name = name
         self.engine: Any = None
@@ -149,18 +149,18 @@ class Variant:
         from kvcached.backends.host import HostBackend
         from kvcached.kv_cache_manager import KVGeometry
         from kvcached.service.ledger_service import ServiceConfig
-        from kvcached.vllm_bridge.engine import EngineConfig, assemble
+        from kvcached.vllm.engine_core.engine import EngineConfig, assemble
 
         if self.name == "vllm":
             return
         paged = self.name.startswith("kvcached")
         journal = f"{self._tmp}/{self.name}.kvj"
         service = None
-        if self.name == "bridge+journal":  # as the plugin journals (kvcached/serve/plugin.py)
+        if self.name == "bridge+journal":  # as the plugin journals (kvcached/vllm/engine_core/served.py)
             service = ServiceConfig(journal=journal, replica=False, snapshot_every=0, flush_interval=0.005)
         elif self.name == "kvcached+all":  # a served engine's service: journal, socket, replica, flight recorder
-            from kvcached.serve.plugin import service_config
             from kvcached.settings import Settings
+            from kvcached.vllm.engine_core.served import service_config
 
             settings = Settings(journal=journal, dump_dir=self._tmp)
             service = service_config(settings, f"{self._tmp}/{self.name}.sock")
@@ -421,7 +421,7 @@ def main() -> int:
 BUILD_ENV = "KVCACHED_BENCH_BUILD"
 COMPILED_NAMES = (
     "kvcached.ledger.ledger", "kvcached.ledger.recorder", "kvcached.kv_cache_manager", "kvcached.page_allocator",
-    "kvcached.vllm_bridge.block_pool", "kvcached.vllm_bridge.bridge",
+    "kvcached.vllm.engine_core.block_pool", "kvcached.vllm.engine_core.bridge",
 )
 
 

@@ -30,8 +30,8 @@ import torch
 
 from kvcached.backends.host import HostBackend
 from kvcached.kv_cache_manager import KVGeometry
-from kvcached.testing.harness import Harness, HarnessConfig
-from kvcached.vllm_bridge.engine import EngineConfig, assemble
+from kvcached.vllm.engine_core.engine import EngineConfig, assemble
+from kvcached.vllm.testing.harness import Harness, HarnessConfig
 
 CFG = HarnessConfig(max_num_seqs=32, max_num_batched_tokens=1024, num_gpu_blocks=1024, max_model_len=2048)
 # The harness's tiny model has 4 KiB blocks; pages of 16 blocks keep the block-to-page ratio of a

@@ -17,8 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from kvcached.testing.e2e import Server, ServerConfig
 from kvcached.testing.tiny_model import build, corpus
+from kvcached.vllm.testing.e2e import Server, ServerConfig
 
 NAMES = ("native", "kvcached")
 

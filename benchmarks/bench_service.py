@@ -191,7 +191,7 @@ def child(runs: int, n_events: int) -> dict[str, Any]:
         whole = []
         for _ in range(3):
             s0 = time.perf_counter()
-            subprocess.run([sys.executable, "-P", "-m", "kvcached.service.kvctl", "--socket", sock, "pins"],
+            subprocess.run([sys.executable, "-P", "-m", "kvctl.cli", "--socket", sock, "pins"],
                            check=True, stdout=subprocess.DEVNULL)
             whole.append(time.perf_counter() - s0)
         stop.set()

@@ -181,11 +181,11 @@ SETTINGS: Final = (
 )
 
 # Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
-# child processes (serve/kv_memory.py), and the build's and the tests' switches.
+# child processes (kvcached/vllm/kv_layout.py), and the build's and the tests' switches.
 OTHER_NAMES: Final = frozenset(
     {
         "KVCACHED_LEDGER_SOCKET",
-        "KVCACHED_ENGINE_KEY",
+        "KVCACHED_SERVER_KEY",
         "KVCACHED_MYPYC",
         "KVCACHED_EXPECT_COMPILED",
         "KVCACHED_REQUIRE_GPU",

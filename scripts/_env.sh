@@ -79,6 +79,6 @@ _cpu_steps() {
 }
 ensure_cpu_env() {
     ensure_venv .venv-cpu \
-        'import vllm, transformers, kvcached.serve.plugin; assert vllm.__version__.startswith("0.32.0"), vllm.__version__' \
+        'import vllm, transformers, kvcached.vllm.plugin; assert vllm.__version__.startswith("0.32.0"), vllm.__version__' \
         _cpu_steps
 }

@@ -22,4 +22,4 @@ cd "$out"
     exit 1
 }
 rm -rf build
-ls kvcached/ledger/*.so kvcached/vllm_bridge/*.so >/dev/null
+ls kvcached/ledger/*.so kvcached/vllm/engine_core/*.so >/dev/null

@@ -22,4 +22,4 @@ if [ "${1:-}" = trace ]; then
     exec .venv/bin/kvreplay compare "traces/$trace.legacy.kvj"
 fi
 ensure_cpu_env
-exec .venv-cpu/bin/python -m kvcached.testing.demo --out demo_out "$@"
+exec .venv-cpu/bin/python -m kvcached.vllm.testing.demo --out demo_out "$@"

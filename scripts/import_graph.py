@@ -16,10 +16,32 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"kvcached": ROOT / "kvcached", "kvreplay": ROOT / "tools" / "replay"}
+PACKAGES = {
+    "kvcached": ROOT / "kvcached",
+    "kvreplay": ROOT / "tools" / "kvreplay",
+    "kvctl": ROOT / "tools" / "kvctl",
+    "kvsim": ROOT / "tools" / "kvsim",
+}
 # What vLLM imports in a served process: the plugin entry point, and the offloading spec that
 # `--kv-transfer-config` names by module path on vLLM's CPU build.
-SERVED_ROOTS = ("kvcached.serve.plugin", "kvcached.vllm_bridge.cpu_offload")
+# The patch table names the modules of its replacements as strings (``factory="module:function"``),
+# imported when the patch is installed: they are served roots too.
+PATCH_TABLE = ROOT / "kvcached" / "vllm" / "patches.py"
+
+
+def patch_factories() -> tuple[str, ...]:
+    tree = ast.parse(PATCH_TABLE.read_text())
+    found = {
+        kw.value.value.partition(":")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for kw in node.keywords
+        if kw.arg == "factory" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)
+    }
+    return tuple(sorted(found))
+
+
+SERVED_ROOTS = ("kvcached.vllm.plugin", "kvcached.vllm.offload.cpu", *patch_factories())
 
 
 def modules() -> dict[str, Path]:

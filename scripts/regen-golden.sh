@@ -5,7 +5,7 @@
 source "$(dirname "$0")/_env.sh"
 ensure_vllm_env
 GOLDEN=(finish-in-write-step finished-store-next-build sliding-window preempt-shrink tp2-late-report random-workload-1)
-.venv-vllm/bin/python -m kvcached.testing.vllm_scenarios --capture traces "${GOLDEN[@]}"
+.venv-vllm/bin/python -m kvcached.vllm.testing.scenarios --capture traces "${GOLDEN[@]}"
 # The served pair: `vllm serve` (vLLM's CPU build) with kvcached, kvcached PR #598's validation load.
 ensure_cpu_env
 KVCACHED_CAPTURE_DIR=traces .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/serve/test_serve_e2e.py \

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcached.vllm_bridge.cached_blocks import CachedBlocks
+from kvcached.vllm.engine_core.cached_blocks import CachedBlocks
 
 OPS = st.lists(
     st.tuples(st.sampled_from(["set", "del", "pop", "popitem", "front", "back", "clear"]), st.integers(0, 11)),

@@ -1,4 +1,5 @@
-"""The layout's promises (issue 12): what a server imports, a pure ledger core, no import cycles."""
+"""The layout's promises: what a server imports, a pure ledger core, an engine-agnostic core with
+one package per serving engine, no import cycles."""
 
 from __future__ import annotations
 
@@ -31,10 +32,33 @@ PURE_CORE = (
 
 def test_a_served_engine_reaches_no_scaffolding_and_no_optional_dependency() -> None:
     served = import_graph.reachable(import_graph.graph(), import_graph.SERVED_ROOTS)
-    assert "kvcached.serve.plugin" in served and "kvcached.vllm_bridge.bridge" in served
-    assert not {m for m in served if m.startswith("kvcached.testing")}
-    assert not {m for m in served if m == "kvreplay" or m.startswith("kvreplay.")}
+    assert "kvcached.vllm.plugin" in served and "kvcached.vllm.engine_core.bridge" in served
+    assert {"kvcached.vllm.engine_core.served", "kvcached.vllm.worker.hooks"} <= served  # the table's factories
+    scaffolding = ("kvcached.testing", "kvcached.vllm.testing", "kvreplay", "kvctl", "kvsim")
+    assert not {m for m in served if m.startswith(scaffolding) or m in scaffolding}
     assert not served & OPTIONAL
+
+
+ENGINES = {"vllm": "kvcached.vllm", "sglang": "kvcached.sglang"}
+
+
+def test_only_an_engines_package_imports_that_engine() -> None:
+    edges = import_graph.graph(typing=True)
+    for engine, package in ENGINES.items():
+        importers = {m for m, deps in edges.items() if engine in deps}
+        strays = {m for m in importers if m != package and not m.startswith(package + ".")}
+        assert not strays, f"{sorted(strays)} import {engine} outside {package}"
+    assert any("vllm" in deps for deps in edges.values())  # the rule looks at real imports
+
+
+def test_the_core_imports_no_engine_package() -> None:
+    edges = import_graph.graph(typing=True)
+    engine_packages = tuple(ENGINES.values())
+    core = [m for m in edges if m.startswith("kvcached") and not m.startswith(engine_packages)]
+    assert "kvcached.ledger.ledger" in core and "kvcached.page_allocator" in core
+    for m in core:
+        bad = {d for d in edges[m] if d.startswith(engine_packages) or d in ENGINES}
+        assert not bad, f"{m} imports {sorted(bad)}: the core must stay engine-agnostic"
 
 
 def test_the_ledger_core_imports_only_msgspec_and_the_standard_library() -> None:
@@ -68,11 +92,11 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 # Which parts may import each optional dependency: the ones whose extra declares it (pyproject's
 # `replay` and `testing` extras), and kvctl, which prints plain text when rich is missing.
 OPTIONAL_USERS = {
-    "rich": ("kvreplay", "kvcached.testing", "kvcached.service.kvctl"),
-    # kvcached.testing.elastic: the main job's timeline plot, imported lazily (no plot without it);
+    "rich": ("kvreplay", "kvcached.vllm.testing", "kvctl.cli"),
+    # kvcached.vllm.testing.elastic: the main job's timeline plot, imported lazily (no plot without it);
     # the demo's .venv-cpu gets it from the `test` extra.
-    "matplotlib": ("kvreplay.plot", "kvcached.testing.elastic"),
-    "psutil": ("kvcached.testing",),
+    "matplotlib": ("kvreplay.plot", "kvcached.vllm.testing.elastic"),
+    "psutil": ("kvcached.testing", "kvcached.vllm.testing"),
 }
 
 

@@ -38,9 +38,10 @@ from kvcached.ledger.events import (
 )
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive
-from kvcached.service import kvctl, live, messages
+from kvcached.service import live, messages
 from kvcached.service.ledger_service import BackgroundService, LedgerService, ServiceConfig
 from kvcached.testing import synth
+from kvctl import cli as kvctl
 
 HEADER = synth.header()
 TRACE: list[Event] = list(derive(Ledger(HEADER), itertools.islice(synth.workload(5), 30_000)))

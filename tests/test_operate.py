@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -20,11 +22,13 @@ from kvcached.backends.host import HostBackend
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
 from kvcached.ledger.events import BuildBoundary, Header, Policy
 from kvcached.ledger.segments import RotatedJournal
-from kvcached.serve.control import ServedEngine, serve_port
-from kvcached.service import kvctl, messages
+from kvcached.service import messages
 from kvcached.service.flight import FlightRecorder
 from kvcached.service.ledger_service import BackgroundService, ServiceConfig
 from kvcached.settings import parse_size
+from kvcached.vllm.api_server.startup import serve_port
+from kvcached.vllm.engine_core.control import LiveControl
+from kvctl import cli as kvctl
 from kvreplay.cli import main as kvreplay
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +125,11 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     bg = BackgroundService.start(manager.recorder.ledger.header, ServiceConfig(socket=sock, flight_events=64))
     manager.recorder.sink = bg.producer
 
-    class Engine:  # what ServedEngine needs of vllm_bridge.engine.Engine, over the manager alone
+    class Engine:  # what LiveControl needs of engine_core.engine.Engine, over the manager alone
+        lock = threading.RLock()
+        offloading = True
+        wake = None
+
         def set_limit_bytes(self, n: int | None) -> None:
             manager.set_limit_pages(manager.geometry.num_pages if n is None else n // PAGE)
 
@@ -129,7 +137,7 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]
     info = messages.EngineInfo(model="tiny-llama", pid=os.getpid(), api_pid=None, port=8123, socket=sock,
                                started_unix=0.0, policy="ledger", vllm="-", kvcached="-")
-    bg.service.control = ServedEngine(eng, info, PAGE)
+    bg.service.control = LiveControl(eng, info, PAGE)  # type: ignore[arg-type]
     try:
         yield sock, manager
     finally:
@@ -244,32 +252,27 @@ def test_sizes_and_ports() -> None:
 
 
 def test_a_failing_scheduler_call_saves_the_flight_recorder_before_it_raises(tmp_path: Path) -> None:
-    from kvcached.serve.control import lock_scheduler_methods
+    from kvcached.ledger.ledger import Ledger
+    from kvcached.ledger.recorder import Recorder
+    from kvcached.vllm.engine_core import scheduler_calls
+    from kvcached.vllm.engine_core.engine import Engine
 
     header, events = events_of(ROOT / "traces" / "preempt-shrink.ledger.kvj")
     bg = BackgroundService.start(header, ServiceConfig(flight_events=64, dump_dir=str(tmp_path)))
+    bridge = SimpleNamespace(connector=object())  # an engine with a connector: no build to close
+    engine = Engine(Recorder(Ledger(header)), manager=None, pool=None, bridge=bridge, service=bg)  # type: ignore[arg-type]
 
-    class Engine:
-        service = bg
-        manager = None
-
-    info = messages.EngineInfo(model="m", pid=os.getpid(), api_pid=None, port=None, socket="-", started_unix=0.0,
-                               policy="ledger", vllm="-", kvcached="-")
-    served = ServedEngine(Engine(), info, PAGE)
-
-    class Scheduler:  # the shape of vLLM's: the plugin wraps the real class the same way
-        def __init__(self) -> None:
-            self._kvcached = served
-
+    class Scheduler:  # the shape of vLLM's: the engine wraps the real one's calls the same way
         def schedule(self) -> None:
             for ev in events:
                 bg.producer.put(ev)
             raise RuntimeError("a bug in a scheduler step")
 
-    lock_scheduler_methods(Scheduler, "_kvcached")
+    scheduler = Scheduler()
+    scheduler_calls.install(scheduler, engine)
     try:
         with pytest.raises(RuntimeError, match="a bug"):
-            Scheduler().schedule()
+            scheduler.schedule()
         (dump,) = bg.service.dumps
         assert "error" in dump and RotatedJournal(dump).header.meta["flight_recorder"].startswith("engine error")
         assert sum(1 for _ in RotatedJournal(dump).events()) == len(events)  # every event before the error

@@ -13,7 +13,7 @@ from kvcached.errors import ConfigError
 from kvcached.ledger.events import BuildBoundary, Header, PageMapped, PoolGeometry
 from kvcached.ledger.journal import read_journal
 from kvcached.ledger.recorder import JOURNAL_ENV, Recorder
-from kvcached.vllm_bridge.bridge import install_bridge
+from kvcached.vllm.engine_core.bridge import install_bridge
 
 HEADER = Header(page_bytes=4096, pools=(PoolGeometry(1024, 16),))
 
@@ -63,7 +63,7 @@ def test_the_bridge_refuses_a_scheduler_without_the_offloading_connector(connect
 
 def test_an_engine_journals_inline_or_through_the_service_not_both() -> None:
     from kvcached.service.ledger_service import ServiceConfig
-    from kvcached.vllm_bridge.engine import EngineConfig
+    from kvcached.vllm.engine_core.engine import EngineConfig
 
     with pytest.raises(ConfigError, match="not both"):
         EngineConfig(journal_path="a.kvj", journal_service=ServiceConfig(journal="b.kvj"))

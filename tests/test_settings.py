@@ -154,7 +154,7 @@ def test_the_plugin_refuses_in_exactly_one_line(env: dict[str, str], needle: str
     """What vLLM's plugin loader runs (``register``) prints one line and exits non-zero."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
     r = subprocess.run(
-        [sys.executable, "-c", "from kvcached.serve import plugin; plugin.register()"],
+        [sys.executable, "-c", "from kvcached.vllm import plugin; plugin.register()"],
         capture_output=True,
         text=True,
         env={**clean, "ENABLE_KVCACHED": "1", **env},
@@ -170,7 +170,7 @@ def test_the_plugin_refuses_in_exactly_one_line(env: dict[str, str], needle: str
 def test_with_kvcached_off_its_other_settings_do_not_stop_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     # The plugin is loaded by every vLLM process once kvcached is installed; off, it must do
     # nothing at all, whatever else KVCACHED_* holds.
-    from kvcached.serve import plugin
+    from kvcached.vllm import plugin
 
     monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
     monkeypatch.setenv("KVCACHED_PAGE_SIZE_MB", "nan")

@@ -18,20 +18,22 @@ torch = pytest.importorskip("torch")
 
 from kvcached.errors import BackendError, ConfigError  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvcached.serve import kv_memory, step_channel  # noqa: E402
+from kvcached.vllm import kv_layout, step_channel  # noqa: E402
+from kvcached.vllm.engine_core import step_sender  # noqa: E402
+from kvcached.vllm.worker import kv_memory, step_receiver  # noqa: E402
 
 PAGE = 1 << 20
-PLAN = kv_memory.KVPlan(num_blocks=30, block_bytes=128 << 10, page_bytes=PAGE, regions=3, vllm_size=30 * (128 << 10))
+PLAN = kv_layout.KVPlan(num_blocks=30, block_bytes=128 << 10, page_bytes=PAGE, regions=3, vllm_size=30 * (128 << 10))
 
 
 @pytest.fixture
-def ranks() -> list[step_channel.WorkerPages]:
+def ranks() -> list[step_receiver.WorkerPages]:
     out = []
     keys = [f"test-step-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     for key in keys:
         b = kv_memory.worker_backend(PLAN, device=torch.device("cpu"), backend="auto", key=key)
         b.tensor(torch.uint8).fill_(3)  # vLLM's warm-up writes the whole cache
-        out.append(step_channel.WorkerPages(b, PLAN))
+        out.append(step_receiver.WorkerPages(b, PLAN))
     yield out
     for key in keys:
         kv_memory.release(key)
@@ -40,21 +42,21 @@ def ranks() -> list[step_channel.WorkerPages]:
 def _engine(policy: str = "legacy") -> tuple[KVCacheManager, step_channel.PageLog]:
     g = PLAN.geometry
     log = step_channel.PageLog(g.blocks_per_page)
-    backends = [step_channel.DecisionBackend(PAGE, "host", g.num_pages, log if r == 0 else None) for r in range(2)]
+    backends = [step_sender.DecisionBackend(PAGE, "host", g.num_pages, log if r == 0 else None) for r in range(2)]
     for b in backends:
         b.reserve(g.backend_pages)
     manager = KVCacheManager.standalone(g, backends[0], replicas=backends[1:], workers=2, policy=policy)
     return manager, log
 
 
-def _send(log: step_channel.PageLog, ranks: list[step_channel.WorkerPages]) -> tuple[int, ...]:
+def _send(log: step_channel.PageLog, ranks: list[step_receiver.WorkerPages]) -> tuple[int, ...]:
     message = pickle.loads(pickle.dumps(log.take()))
     for r in ranks:
         r.apply(message)
     return message  # type: ignore[no-any-return]
 
 
-def test_decisions_reach_every_rank_in_every_region(ranks: list[step_channel.WorkerPages]) -> None:
+def test_decisions_reach_every_rank_in_every_region(ranks: list[step_receiver.WorkerPages]) -> None:
     manager, log = _engine()
     g = PLAN.geometry
     assert manager.page_cost == PAGE * g.regions * 2  # a page costs its bytes on both ranks
@@ -76,7 +78,7 @@ def test_decisions_reach_every_rank_in_every_region(ranks: list[step_channel.Wor
     assert _send(log, ranks) == (3, g.blocks_per_page)  # a step with no decisions still counts
 
 
-def test_a_lost_batch_or_another_layout_is_refused(ranks: list[step_channel.WorkerPages]) -> None:
+def test_a_lost_batch_or_another_layout_is_refused(ranks: list[step_receiver.WorkerPages]) -> None:
     _manager, log = _engine()
     _send(log, ranks)
     log.take()  # an executor that dropped this one
@@ -86,7 +88,7 @@ def test_a_lost_batch_or_another_layout_is_refused(ranks: list[step_channel.Work
         ranks[1].apply((2, 4))
 
 
-def test_the_unmap_waits_for_every_rank_under_ledger(ranks: list[step_channel.WorkerPages]) -> None:
+def test_the_unmap_waits_for_every_rank_under_ledger(ranks: list[step_receiver.WorkerPages]) -> None:
     """Under ``ledger`` a freed page waits for its grace build; the decision, and only it, rides."""
     from kvcached.ledger.events import BuildBoundary
 
@@ -104,7 +106,7 @@ def test_the_unmap_waits_for_every_rank_under_ledger(ranks: list[step_channel.Wo
 
 
 def test_decision_backends_hold_no_bytes() -> None:
-    b = step_channel.DecisionBackend(PAGE, "host", 4, None)
+    b = step_sender.DecisionBackend(PAGE, "host", 4, None)
     b.reserve(4)
     b.map_page(0)
     with pytest.raises(BackendError, match="already mapped"):

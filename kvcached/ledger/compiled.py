@@ -27,8 +27,8 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcached.ledger.recorder",
     "kvcached.kv_cache_manager",
     "kvcached.page_allocator",
-    "kvcached.vllm_bridge.block_pool",
-    "kvcached.vllm_bridge.bridge",
+    "kvcached.vllm.engine_core.block_pool",
+    "kvcached.vllm.engine_core.bridge",
 )
 
 # What the pure-Python ledger costs, measured (see the module docstring).

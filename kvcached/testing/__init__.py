@@ -1,6 +1,6 @@
 """Scaffolding for tests, benchmarks, ``kvreplay demo`` and the main job: never imported when serving.
 
-A ``vllm serve`` process loads ``kvcached.serve``, ``kvcached.vllm_bridge``, the core and the
+A ``vllm serve`` process loads ``kvcached.vllm``, ``kvcached.vllm.engine_core``, the core and the
 ledger; nothing there imports this package (``tests/test_layout.py`` holds that line). What
 lives here drives vLLM's real ``Scheduler`` and ``OffloadingConnector`` with a model stand-in
 (``harness``, ``stand_in``, ``vllm_scenarios``), builds kvcached PR #598's cases as event sequences

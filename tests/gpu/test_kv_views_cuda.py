@@ -21,14 +21,15 @@ from gpu_env import free_bytes, require_gpu
 torch = require_gpu()
 pytestmark = pytest.mark.gpu
 
-from kvcached.serve import kv_memory  # noqa: E402
+from kvcached.vllm import kv_layout  # noqa: E402
+from kvcached.vllm.worker import kv_memory  # noqa: E402
 
 ENTRIES = json.loads((Path(__file__).parent / "kv_views.json").read_text())
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[f"{e['kind']}-{e['layout']}" for e in ENTRIES])
 def test_vllm_views_on_vmm_pages(entry: dict[str, Any]) -> None:
-    plan = kv_memory.KVPlan(**entry["plan"])
+    plan = kv_layout.KVPlan(**entry["plan"])
     geo = plan.geometry
     free_before = free_bytes()
     backend = kv_memory.worker_backend(plan, device=torch.device("cuda", 0), backend="auto", key="gpu-test")

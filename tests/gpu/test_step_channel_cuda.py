@@ -2,7 +2,7 @@
 
 vLLM's ``mp`` executor runs each tensor-parallel rank in a process of its own; the CUDA pages of
 its KV cache live there, and the scheduler (engine core) cannot map or unmap them. kvcached sends
-its decisions with each step (``kvcached.serve.step_channel``): here the engine side is the real
+its decisions with each step (``kvcached.vllm.step_channel``): here the engine side is the real
 chain (``DecisionBackend`` per rank under a ``KVCacheManager``, the ``PageLog``), the workers are
 two spawned processes that each make their range with ``kv_memory.worker_backend`` (all pages
 mapped for vLLM's warm-up, as in a server) and apply each batch with ``WorkerPages``, and the
@@ -25,23 +25,25 @@ torch = require_gpu()
 pytestmark = pytest.mark.gpu
 
 from kvcached.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvcached.serve import kv_memory, step_channel  # noqa: E402
+from kvcached.vllm import kv_layout, step_channel  # noqa: E402
+from kvcached.vllm.engine_core import step_sender  # noqa: E402
+from kvcached.vllm.worker import kv_memory, step_receiver  # noqa: E402
 
 PAGE = 2 << 20
-PLAN = kv_memory.KVPlan(num_blocks=64, block_bytes=256 << 10, page_bytes=PAGE, regions=4, vllm_size=64 * (256 << 10))
+PLAN = kv_layout.KVPlan(num_blocks=64, block_bytes=256 << 10, page_bytes=PAGE, regions=4, vllm_size=64 * (256 << 10))
 
 
 def _worker(rank: int, inbox: Any, outbox: Any) -> None:
     """One rank: its own range, the batches applied before each 'step', the step's writes."""
     import torch
 
-    from kvcached.serve import kv_memory, step_channel
+    from kvcached.vllm import step_channel
 
     backend = kv_memory.worker_backend(PLAN, device=torch.device("cuda", 0), backend="auto", key=f"tp-rank{rank}")
     base = backend.tensor(torch.uint8)
     base[: backend.nbytes].fill_(1)  # vLLM's warm-up writes over the whole cache
     torch.cuda.synchronize()
-    pages = step_channel.WorkerPages(backend, PLAN)
+    pages = step_receiver.WorkerPages(backend, PLAN)
     outbox.put(("ready", backend.mapped_count))
     g = PLAN.geometry
     while True:
@@ -72,7 +74,7 @@ def test_two_ranks_follow_the_scheduler_through_the_step() -> None:
     ctx = mp.get_context("spawn")  # CUDA in children needs spawn, as vLLM's mp executor uses
     g = PLAN.geometry
     log = step_channel.PageLog(g.blocks_per_page)
-    backends = [step_channel.DecisionBackend(PAGE, "cuda", g.num_pages, log if r == 0 else None) for r in range(2)]
+    backends = [step_sender.DecisionBackend(PAGE, "cuda", g.num_pages, log if r == 0 else None) for r in range(2)]
     for b in backends:
         b.reserve(g.backend_pages)
     manager = KVCacheManager.standalone(g, backends[0], replicas=backends[1:], workers=2, policy="legacy")

@@ -1,6 +1,6 @@
 """Two real ``vllm serve`` engines on one memory budget (vLLM's CPU build), steered with kvctl.
 
-The scenario is ``kvcached.testing.elastic`` (the main job shows the same run): engines A and B
+The scenario is ``kvcached.vllm.testing.elastic`` (the main job shows the same run): engines A and B
 name one budget of 80 MiB, less than their two 64 MiB KV caches. A is loaded until it holds most
 of the budget, limited while idle with a full prefix cache (``kvctl limit A 8M``, which wakes the idle engine
 core itself; the scenario's fallback poke must not be needed), B is loaded
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from kvcached.testing import elastic
-from kvcached.testing.e2e import ERROR_SIGNATURES, Server
 from kvcached.testing.tiny_model import build
+from kvcached.vllm.testing import elastic
+from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, Server
 
 pytestmark = pytest.mark.vllm
 

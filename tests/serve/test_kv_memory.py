@@ -18,7 +18,8 @@ import torch
 from kv_layouts import kv_config
 
 from kvcached.errors import ConfigError
-from kvcached.serve import kv_memory
+from kvcached.vllm import kv_layout
+from kvcached.vllm.worker import kv_memory
 
 KINDS = ("full", "mla", "sliding")
 LAYOUTS = ("LBHNC", "BLHNC")
@@ -53,7 +54,7 @@ def test_views_match_vllm_and_sit_on_their_pages(kind: str, layout: str, device:
     ours = kv_memory.allocate(cfg, dev, lay, None, page_bytes=page, backend="auto", key=key)
     backend = kv_memory.local_backend(key)
     assert backend is not None
-    plan = kv_memory.plan(cfg, page)
+    plan = kv_layout.plan(cfg, page)
     geo = plan.geometry
     try:
         assert ours.keys() == native.keys()
@@ -100,19 +101,19 @@ def test_views_match_vllm_and_sit_on_their_pages(kind: str, layout: str, device:
 def test_mla_block_refused_on_a_2mib_page_with_the_size_that_fits() -> None:
     cfg, _ = kv_config("mla", "LBHNC")
     with pytest.raises(ConfigError, match=r"KVCACHED_PAGE_SIZE_MB=18\b"):
-        kv_memory.plan(cfg, 2 << 20)
+        kv_layout.plan(cfg, 2 << 20)
 
 
 def test_heads_outside_blocks_refused() -> None:
     cfg, _ = kv_config("full", "LHBNC")
     with pytest.raises(ConfigError, match="VLLM_KV_CACHE_LAYOUT=LBHNC"):
-        kv_memory.plan(cfg, 2 << 20)
+        kv_layout.plan(cfg, 2 << 20)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plan_layouts(layout: str) -> None:
     cfg, _ = kv_config("full", layout)
-    p = kv_memory.plan(cfg, 2 << 20)
+    p = kv_layout.plan(cfg, 2 << 20)
     if layout == "LBHNC":  # a region per layer, each padded to whole pages
         assert p.regions == 4 and p.block_bytes == cfg.kv_cache_tensors[0].block_stride
         assert p.region_bytes % (2 << 20) == 0 and p.region_bytes >= cfg.num_blocks * p.block_bytes
@@ -138,8 +139,9 @@ def test_scheduler_attaches_to_the_workers_shared_memory() -> None:
         assert written >= 4 << 20  # 16 blocks of 64 KiB in each of 4 layers
         code = (
             "import sys; sys.path.insert(0, 'tests/serve');"
-            "from kv_layouts import kv_config; from kvcached.serve import kv_memory;"
-            f"cfg, _ = kv_config('full', 'LBHNC'); p = kv_memory.plan(cfg, 2 << 20);"
+            "from kv_layouts import kv_config; from kvcached.vllm.worker import kv_memory;"
+            "from kvcached.vllm import kv_layout;"
+            f"cfg, _ = kv_config('full', 'LBHNC'); p = kv_layout.plan(cfg, 2 << 20);"
             f"b = kv_memory.attach(p, key='{key}');"
             "[b.map_page(s) for s in range(b.num_pages)]; [b.unmap_page(s) for s in range(b.num_pages)]"
         )
@@ -166,7 +168,7 @@ def _fixture_entries() -> list[dict[str, object]]:
             backend = kv_memory.local_backend(key)
             assert backend is not None
             try:
-                plan = kv_memory.plan(cfg, page)
+                plan = kv_layout.plan(cfg, page)
                 rows = kv_memory.describe_views(views, backend.tensor(torch.int8))
                 entries.append({"kind": kind, "layout": layout, "plan": msgspec_to_dict(plan), "views": rows})
             finally:
@@ -175,7 +177,7 @@ def _fixture_entries() -> list[dict[str, object]]:
     return entries
 
 
-def msgspec_to_dict(plan: kv_memory.KVPlan) -> dict[str, object]:
+def msgspec_to_dict(plan: kv_layout.KVPlan) -> dict[str, object]:
     import msgspec
 
     return msgspec.to_builtins(plan)  # type: ignore[no-any-return]

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from kvcached.testing.e2e import ERROR_SIGNATURES, Completion, Server, ServerConfig, kv_resident_bytes, rss_bytes
 from kvcached.testing.tiny_model import build, corpus
+from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, Completion, Server, ServerConfig, kv_resident_bytes, rss_bytes
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +42,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _kvctl(runtime: Path, *argv: str, check: bool = True) -> Any:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     env.pop("KVCACHED_LEDGER_SOCKET", None)
-    r = subprocess.run([sys.executable, "-m", "kvcached.service.kvctl", *argv], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True,
                        env=env, timeout=60)
     if check:
         assert r.returncode == 0, r.stderr

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.testing.e2e import (
+from kvcached.testing.tiny_model import build, corpus
+from kvcached.vllm.testing.e2e import (
     ACTIVE_LINE,
     ERROR_SIGNATURES,
     Completion,
@@ -35,7 +36,6 @@ from kvcached.testing.e2e import (
     validation_config,
     validation_prompts,
 )
-from kvcached.testing.tiny_model import build, corpus
 
 pytestmark = pytest.mark.vllm
 

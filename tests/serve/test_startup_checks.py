@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from kvcached.errors import ConfigError
-from kvcached.serve import checks
 from kvcached.settings import SETTINGS, Settings
-from kvcached.testing.e2e import free_port
 from kvcached.testing.tiny_model import build
+from kvcached.vllm.api_server import checks
+from kvcached.vllm.testing.e2e import free_port
 
 OURS = {"spec_name": checks.OUR_SPEC[0], "spec_module_path": checks.OUR_SPEC[1], "cpu_bytes_to_use": 1 << 26}
 

@@ -6,7 +6,7 @@ or through vLLM's ``collective_rpc`` when the engine goes idle. kvcached PR #598
 load (tests/serve/test_serve_e2e.py), at TP=2 with vLLM's ``mp`` executor:
 
 * ``ledger``, with rank 1 reporting every copy three steps after rank 0 and copying only then
-  (``kvcached.testing.late_rank``): every greedy token, top-5 logprob and cached-token count
+  (``kvcached.vllm.testing.late_rank``): every greedy token, top-5 logprob and cached-token count
   equals native vLLM's at TP=2; the journal replays clean (I1: no page of a job unmapped before
   every worker reported it) and shows jobs reported in two parts, rank 0's first;
 * ``legacy``: the journal shows I1 (the freed-block copy), the check above tripping;
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.testing.e2e import (
+from kvcached.testing.tiny_model import build, corpus
+from kvcached.vllm.testing.e2e import (
     ACTIVE_LINE,
     ERROR_SIGNATURES,
     Completion,
@@ -39,7 +40,6 @@ from kvcached.testing.e2e import (
     validation_config,
     validation_prompts,
 )
-from kvcached.testing.tiny_model import build, corpus
 
 pytestmark = pytest.mark.vllm
 
@@ -65,7 +65,7 @@ class Run:
 
 def _late_rank(cfg: ServerConfig) -> None:
     """Rank 1 reports late: kvcached's CPU spec, swapped for the test's (same sizes)."""
-    from kvcached.testing.late_rank import SPEC  # imports vLLM: not at collection
+    from kvcached.vllm.testing.late_rank import SPEC  # imports vLLM: not at collection
 
     assert cfg.cpu_offload_bytes
     ktc = {

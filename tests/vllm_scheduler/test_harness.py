@@ -14,8 +14,8 @@ from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, Cano
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvcached.errors import ConfigError
-from kvcached.testing.harness import Harness, HarnessConfig
-from kvcached.vllm_bridge.cpu_offload import KvcachedCPUOffloadingWorker
+from kvcached.vllm.offload.cpu import KvcachedCPUOffloadingWorker
+from kvcached.vllm.testing.harness import Harness, HarnessConfig
 
 pytestmark = pytest.mark.vllm
 

@@ -18,11 +18,11 @@ import msgspec
 import pytest
 import vllm
 
-from kvcached.testing.harness import Harness
-from kvcached.testing.sim import execute
-from kvcached.testing.sim.draw import Add, Case, Reset, SimConfig, Step, draw
-from kvcached.testing.sim.execute import run_case
-from kvcached.testing.sim.shrink import read_case
+from kvcached.vllm.testing.harness import Harness
+from kvcached.vllm.testing.sim import execute
+from kvcached.vllm.testing.sim.draw import Add, Case, Reset, SimConfig, Step, draw
+from kvcached.vllm.testing.sim.execute import run_case
+from kvcached.vllm.testing.sim.shrink import read_case
 
 pytestmark = pytest.mark.vllm
 
@@ -65,7 +65,7 @@ def test_a_seed_repeats_exactly() -> None:
 def test_a_store_of_another_requests_block_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     # Planted: the worker stores, for every store job, block 1 in place of the job's first
     # block: the bytes of whichever request holds block 1 go under this request's key.
-    from kvcached.vllm_bridge import cpu_offload
+    from kvcached.vllm.offload import cpu as cpu_offload
 
     real_plan = cpu_offload.KvcachedCPUOffloadingWorker.plan
 

@@ -2,7 +2,8 @@
 
 With no connector, ``build_connector_meta`` is never called, so nothing closes a build and the
 ledger's grace pins (which end at the next build) would keep every freed page mapped for good.
-The plugin closes the build after each scheduler call instead (``serve.control``). vLLM's real
+The engine's wrapper of each scheduler call has the bridge close the build instead
+(``engine_core.scheduler_calls``). vLLM's real
 BlockPool under kvcached's page-aware pool; the scheduler's calls are stand-ins that free blocks
 as vLLM's ``Scheduler._free_blocks`` does (through the pool), since a scheduler without a model
 runner has no other way to finish a request here.
@@ -10,7 +11,6 @@ runner has no other way to finish a request here.
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.vllm
 
 from kvcached.backends.host import HostBackend  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
-from kvcached.serve.control import close_builds_without_connector  # noqa: E402
-from kvcached.vllm_bridge.block_pool import install_page_aware_pool  # noqa: E402
-from kvcached.vllm_bridge.bridge import install_bridge  # noqa: E402
+from kvcached.vllm.engine_core import scheduler_calls  # noqa: E402
+from kvcached.vllm.engine_core.block_pool import install_page_aware_pool  # noqa: E402
+from kvcached.vllm.engine_core.bridge import install_bridge  # noqa: E402
+from kvcached.vllm.engine_core.engine import Engine  # noqa: E402
 
 PAGE = 64 * 1024
 
@@ -40,10 +41,10 @@ def engine(close: bool) -> tuple[SimpleNamespace, KVCacheManager, list]:  # type
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None,
                                 schedule=schedule)
     bridge = install_bridge(scheduler, m.recorder, drain=m.drain_releasable, offloading=False)
-    install_page_aware_pool(scheduler, m)
+    wrapper = install_page_aware_pool(scheduler, m)
     if close:
-        close_builds_without_connector(scheduler, SimpleNamespace(recorder=m.recorder, manager=m, bridge=bridge),
-                                       threading.RLock())
+        engine = Engine(m.recorder, manager=m, pool=wrapper, bridge=bridge, service=None)
+        scheduler_calls.install(scheduler, engine)
     held.append(pool.get_new_blocks(12))  # three pages
     return scheduler, m, held
 

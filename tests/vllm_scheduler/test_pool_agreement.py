@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvcached.backends.host import HostBackend  # noqa: E402
 from kvcached.errors import KvcachedError  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
-from kvcached.vllm_bridge.block_pool import install_page_aware_pool  # noqa: E402
+from kvcached.vllm.engine_core.block_pool import install_page_aware_pool  # noqa: E402
 
 PAGE = 64 * 1024  # 4 blocks a page
 

@@ -15,8 +15,8 @@ import pytest
 
 from kvcached.ledger.events import RequestPreempted, WindowRelease
 from kvcached.ledger.journal import read_journal
-from kvcached.testing.harness import Harness, HarnessConfig
-from kvcached.testing.vllm_scenarios import Kvcached
+from kvcached.vllm.testing.harness import Harness, HarnessConfig
+from kvcached.vllm.testing.scenarios import Kvcached
 
 pytestmark = pytest.mark.vllm
 

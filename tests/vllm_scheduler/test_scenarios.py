@@ -17,7 +17,7 @@ import pytest
 from kvcached.ledger.events import BuildBoundary, Event, JobBuilt, JobKind, RequestFinished
 from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
-from kvcached.testing.vllm_scenarios import SCENARIOS, as_expected, run
+from kvcached.vllm.testing.scenarios import SCENARIOS, as_expected, run
 
 pytestmark = pytest.mark.vllm
 

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 from kvcached.backends.host import HostBackend  # noqa: E402
 from kvcached.kv_cache_manager import KVGeometry  # noqa: E402
-from kvcached.testing.harness import Harness, HarnessConfig  # noqa: E402
-from kvcached.vllm_bridge.engine import Engine, EngineConfig, assemble  # noqa: E402
+from kvcached.vllm.engine_core.engine import Engine, EngineConfig, assemble  # noqa: E402
+from kvcached.vllm.testing.harness import Harness, HarnessConfig  # noqa: E402
 
 PAGE_BLOCKS = 4
 CFG = HarnessConfig(num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=512)

@@ -5,7 +5,7 @@ prefix caching, scheduler and OffloadingConnector, taken from vLLM's source dist
 time (nothing of vLLM is kept in this repository), twice with this plugin loaded (``-p
 kvcached_conformance``): on vLLM alone, and with ``--kvcached``, where every ``BlockPool`` those
 tests build runs under kvcached's page-aware pool and bridge. A ``Scheduler``'s pool gets the
-engine kvcached's vLLM plugin builds (``vllm_bridge.engine.assemble``: policy ``ledger``, no
+engine kvcached's vLLM plugin builds (``kvcached.vllm.engine_core.engine.assemble``: policy ``ledger``, no
 cache cap, the OffloadingConnector bridged when the scheduler has one); any other pool (a bare
 ``BlockPool``, a ``KVCacheManager`` built by a test, a CPU pool of a connector) gets its own
 manager and the bridge of its prefix-cache reset. Each pool's manager sits on host memory with
@@ -95,8 +95,8 @@ class Installer:
     def _bare(self, pool: Any) -> None:
         from kvcached.backends.host import HostBackend
         from kvcached.kv_cache_manager import KVCacheManager
-        from kvcached.vllm_bridge.block_pool import install_page_aware_pool
-        from kvcached.vllm_bridge.bridge import install_bridge
+        from kvcached.vllm.engine_core.block_pool import install_page_aware_pool
+        from kvcached.vllm.engine_core.bridge import install_bridge
 
         geo = self._geometry(pool)
         manager = KVCacheManager.standalone(geo, HostBackend(page_bytes=geo.page_bytes))
@@ -107,9 +107,9 @@ class Installer:
 
     def _scheduler(self, scheduler: Any) -> None:
         from kvcached.backends.host import HostBackend
-        from kvcached.vllm_bridge.block_pool import install_page_aware_pool
-        from kvcached.vllm_bridge.bridge import install_bridge
-        from kvcached.vllm_bridge.engine import EngineConfig, assemble
+        from kvcached.vllm.engine_core.block_pool import install_page_aware_pool
+        from kvcached.vllm.engine_core.bridge import install_bridge
+        from kvcached.vllm.engine_core.engine import EngineConfig, assemble
 
         pool = scheduler.kv_cache_manager.block_pool
         geo = self._geometry(pool)

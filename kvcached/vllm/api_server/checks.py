@@ -1,0 +1,113 @@
+"""Startup checks: the setups kvcached serves, and one line saying what to change otherwise.
+
+They run where vLLM builds its configuration (the API server, before any engine process
+starts), so a refusal costs a second, not a model load, and reads as one line instead of a
+worker's traceback. There too, as vLLM's ``validate_environ`` does for unknown ``VLLM_*``
+variables, each ``KVCACHED_*`` variable kvcached does not read gets one warning line: a
+misspelt setting would otherwise go unnoticed, its default in force. What they accept is what
+the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
+``OffloadingConnector`` as the only one; tensor parallelism of any size on one machine (each
+rank's KV memory lives in its worker, which applies the scheduler's page decisions carried by
+each step: ``step_channel``), run by vLLM's multiprocessing, uniprocess or Ray executor, on the
+CPU build and on GPUs alike; pipeline and data parallel sizes of 1 (a pipeline stage's worker holds
+other layers, so its pages need not be where rank 0's are; data parallel engines are separate
+schedulers); the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
+block that does not divide a page, an interleaved layout) can only run once vLLM has sized the
+cache; they live in ``kv_layout.plan`` and fail the worker with the same kind of line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ...backends import cuda_visible
+from ...errors import ConfigError
+from ...settings import Settings, unknown_settings
+
+log = logging.getLogger("vllm.kvcached")  # the plugin's logger: vLLM's format and handlers
+
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+SUPPORTED_EXECUTORS = ("mp", "uni", "ray")
+OUR_SPEC = ("KvcachedCPUOffloadingSpec", "kvcached.vllm.offload.cpu")
+
+
+def check_vllm_version(version: str) -> None:
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM:
+        raise ConfigError(
+            f"kvcached supports vLLM {' and '.join(SUPPORTED_VLLM)} (the CPU build 0.32.0); this is {version}: "
+            "install one of those or disable kvcached (ENABLE_KVCACHED=0)"
+        )
+
+
+def check_config(
+    vllm_config: Any, settings: Settings, *, version: str, on_cpu: bool, env: Mapping[str, str] | None = None
+) -> None:
+    """Raise ``ConfigError`` (one line, what to change) for a setup kvcached does not serve; warn,
+    one line each, of the ``KVCACHED_*`` variables in ``env`` (the environment) it does not read."""
+    for warning in unknown_settings(os.environ if env is None else env):
+        log.warning("[kvcached] %s", warning)
+    check_vllm_version(version)
+    par = vllm_config.parallel_config
+    sizes = {
+        "--pipeline-parallel-size": int(par.pipeline_parallel_size),
+        "--data-parallel-size": int(par.data_parallel_size),
+    }
+    for flag, n in sizes.items():
+        if n != 1:
+            raise ConfigError(
+                f"kvcached serves tensor parallelism only; {flag} is {n}: set it to 1 or disable kvcached"
+            )
+    if int(getattr(par, "nnodes", 1) or 1) > 1:
+        raise ConfigError("kvcached serves one machine; --nnodes is more than 1: run on one node or disable kvcached")
+    tp = int(par.tensor_parallel_size)
+    executor = par.distributed_executor_backend
+    if executor is not None and executor not in SUPPORTED_EXECUTORS:
+        name = executor if isinstance(executor, str) else getattr(executor, "__name__", repr(executor))
+        raise ConfigError(
+            f"kvcached needs vLLM's mp, uni or ray executor, not {name}: drop --distributed-executor-backend "
+            "or disable kvcached"
+        )
+    if on_cpu and executor == "ray":
+        # vLLM's CPU platform refuses Ray (ray_utils.initialize_ray_cluster): one line now, not its traceback.
+        raise ConfigError("vLLM's CPU build does not run the ray executor: use mp (the default) or uni")
+    _check_connector(vllm_config.kv_transfer_config, on_cpu=on_cpu)
+    if on_cpu:
+        # The host backend shares the KV cache through /dev/shm: refuse now, not with SIGBUS on
+        # the first request that writes past what the tmpfs holds. (The worker checks the exact
+        # size again once vLLM has sized the cache.)
+        kv_bytes = getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None)
+        if kv_bytes:
+            from ..worker.kv_memory import check_shm_room
+
+            check_shm_room(int(kv_bytes) * tp)  # one range per tensor-parallel rank
+    if settings.backend == "cuda" and (on_cpu or not cuda_visible()):
+        raise ConfigError(
+            "kvcached: KVCACHED_BACKEND=cuda needs a CUDA GPU and none is visible; "
+            "set KVCACHED_BACKEND=host (or auto) on CPU machines"
+        )
+    if settings.backend == "host" and not on_cpu:
+        raise ConfigError("kvcached: KVCACHED_BACKEND=host serves vLLM's CPU build only; use cuda or auto on GPUs")
+
+
+def _check_connector(ktc: Any, *, on_cpu: bool) -> None:
+    if ktc is None or not getattr(ktc, "kv_connector", None):
+        return
+    name = ktc.kv_connector
+    if name != "OffloadingConnector":
+        raise ConfigError(
+            f"kvcached works with OffloadingConnector as the only KV connector, not {name}: "
+            "use --kv-offloading-size / kv_connector=OffloadingConnector, or disable kvcached"
+        )
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    spec = extra.get("spec_name", "CPUOffloadingSpec")
+    if on_cpu and spec == "CPUOffloadingSpec":
+        raise ConfigError(
+            "kvcached: vLLM's CPUOffloadingSpec needs CUDA; on the CPU build set kv_connector_extra_config "
+            f'"spec_name": "{OUR_SPEC[0]}", "spec_module_path": "{OUR_SPEC[1]}"'
+        )
+    if extra.get("canonical_layout"):
+        raise ConfigError("kvcached: the canonical host layout is not supported; remove canonical_layout")

@@ -1,0 +1,60 @@
+"""The API server's patch: the startup checks, then kvcached's series on its ``/metrics``.
+
+``EngineArgs.create_engine_config`` builds the ``VllmConfig`` every engine of ``vllm serve``
+starts from, in the API server's process, before any engine process exists: its replacement
+runs vLLM's, then ``checks.check_config``, which refuses an unsupported setup with one line
+(``SystemExit``: no traceback), then joins kvcached's series to vLLM's Prometheus registry.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import ConfigError
+from ...settings import Settings
+from .. import patches
+from . import checks
+
+
+def refuse(message: str) -> Any:
+    """End the process with one line on stderr (SystemExit prints its message; a log line as
+    well was two)."""
+    line = message if message.startswith("kvcached") else f"kvcached: {message}"
+    raise SystemExit(line)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def wrap_create_engine_config(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = original(self, *args, **kwargs)
+        try:
+            checks.check_config(config, settings, version=patches.vllm_version(), on_cpu=_on_cpu())
+        except ConfigError as e:
+            refuse(str(e))
+        from . import metrics  # the API server's process: its /metrics gets kvcached's series
+
+        metrics.install(os.getpid())
+        return config
+
+    return create_engine_config
+
+
+def serve_port(argv: list[str]) -> int | None:
+    """The HTTP port of a ``vllm serve`` (or ``-m vllm.entrypoints.openai.api_server``) command
+    line: ``--port N``/``--port=N``, else vLLM's default 8000; None for any other program."""
+    serving = any(a == "serve" or a.endswith("api_server") or a.endswith("api_server.py") for a in argv[:4])
+    for i, a in enumerate(argv):
+        if a == "--port" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            return int(argv[i + 1])
+        if a.startswith("--port=") and a[7:].isdigit():
+            return int(a[7:])
+    return 8000 if serving else None

@@ -1,0 +1,361 @@
+"""Ledger events from vLLM's scheduler-side calls, with vLLM left exactly as it is.
+
+The connector copies blocks after vLLM has freed them (the three cases of kvcached PR #598), and vLLM only
+waits for such a copy when it reallocates a block. kvcached must therefore learn, from the
+connector's own public calls, which pages a copy may still read or write. ``install_bridge``
+wraps the scheduler-side connector *instance* (its bound methods are shadowed by attributes on
+that one object; no class and no module of vLLM changes) and turns each call into events:
+
+* ``on_new_request``: the request is named (interned to a small integer);
+* ``get_num_new_matched_tokens``: native matching drops the request's old block lists, so its
+  window holds end (review comment P2 on kvcached PR #598); in-flight job pins are untouched;
+* ``build_connector_meta``: which blocks each scheduled request was given in this step, fresh
+  or shared (``RequestBlocks``, for the ledger's I5: a store copies only its request's blocks),
+  window holds for blocks newly given to sliding-window (and non-align Mamba) groups, one
+  ``JobBuilt`` per load and store job with its GPU block ids, preempted and finished requests,
+  then the build boundary;
+* ``update_connector_output``: one ``JobReported`` per job per step, with the summed count;
+* ``has_pending_push_work``: also true while grace pins still need a build to drain, so that
+  an idle engine keeps stepping until every page the ledger holds can go.
+
+It also wraps the block pool's ``reset_prefix_cache`` (vLLM's own, underneath the page-aware
+pool) for ``PrefixCacheReset``, so that a reset is recorded before the frees it causes, and its
+``get_new_blocks``, to tell a request's fresh blocks (its KV is written there) from its prefix
+hits; an
+engine without a KV connector gets a bridge of that call alone (``offloading=False``). Each
+event has one source: these, the bridge's; blocks, the manager's; pages, the allocator's.
+After each event the bridge lets the allocator drain the pages it released
+(``KVCacheManager.drain_releasable``): the recorder calls nobody back.
+
+vLLM keeps one block pool for all KV groups (a block id names the same slot in every group's
+tensors), so the ledger sees a single pool, 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import ConfigError
+from ...ledger.events import (
+    BuildBoundary,
+    Event,
+    JobBuilt,
+    JobKind,
+    JobReported,
+    PrefixCacheReset,
+    RequestAdded,
+    RequestBlocks,
+    RequestFinished,
+    RequestPreempted,
+    WindowHold,
+    WindowRelease,
+)
+from ...ledger.recorder import Recorder
+from .. import patches
+
+POOL = 0
+
+
+def window_groups(kv_cache_config: Any) -> frozenset[int]:
+    """KV groups whose freed blocks the connector may still store later: sliding-window groups,
+    and Mamba groups outside "align" mode (whose states are not stored in the handing-off pass)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    out = set()
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        mamba_not_aligned = isinstance(spec, MambaSpec) and getattr(spec, "mamba_cache_mode", None) != "align"
+        if isinstance(spec, SlidingWindowSpec) or mamba_not_aligned:
+            out.add(i)
+    return frozenset(out)
+
+
+def _preempted_status() -> Any:
+    """vLLM's ``RequestStatus.PREEMPTED`` (None without vLLM, where no request is matched)."""
+    try:
+        from vllm.v1.request import RequestStatus
+    except ImportError:
+        return None
+    return RequestStatus.PREEMPTED
+
+
+# A scheduled request given blocks in a step: its id, its block ids per KV group, and whether it
+# was admitted in that step (new or resumed) rather than running on.
+_Given = tuple[str, tuple[list[int], ...], bool]
+
+
+def _given(so: Any) -> list[_Given]:
+    """The scheduled requests given blocks in a step (new ones first, then the rest in
+    ``scheduled_cached_reqs`` order): all of a new or resumed request's blocks, the appended ones
+    of a running request (vLLM's ``Scheduler._make_cached_request_data``)."""
+    cached = so.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    out: list[_Given] = [(new.req_id, new.block_ids, True) for new in so.scheduled_new_reqs]
+    for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if groups:  # None: no block given in this step
+            out.append((rid, groups, rid in resumed))
+    return out
+
+
+def _block_ids(spec: Any) -> tuple[int, ...]:
+    ids = spec.block_ids
+    return tuple(int(b) for b in (ids.tolist() if hasattr(ids, "tolist") else ids))
+
+
+class Bridge:
+    """Holds the wrapped calls' originals and the request-id interning."""
+
+    def __init__(
+        self,
+        connector: Any | None,
+        recorder: Recorder,
+        *,
+        workers: int,
+        windows: frozenset[int],
+        drain: Callable[[], None] | None = None,
+    ) -> None:
+        self.connector = connector  # None: no KV connector, only the prefix-cache reset
+        self.recorder = recorder
+        self._ledger = recorder.ledger
+        self.workers = workers
+        self.windows = windows
+        self._drain = drain
+        self.build = 0
+        self._req_ids: dict[str, int] = {}
+        self._next_req = 0
+        self._held: set[int] = set()  # requests with window holds
+        # Requests whose preemption is recorded, until they are scheduled again or finish.
+        self._preempted: dict[int, str] = {}
+        self._preempted_status = _preempted_status()
+        self._orig: dict[str, Callable[..., Any]] = {}
+        self._fresh: set[int] = set()  # blocks vLLM's pool handed out since the last build
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def req(self, request_id: str) -> int:
+        r = self._req_ids.get(request_id)
+        if r is None:
+            r = self._next_req
+            self._next_req += 1
+            self._req_ids[request_id] = r
+            self._emit(RequestAdded(r, request_id))
+        return r
+
+    def _emit(self, ev: Event) -> None:
+        self.recorder.emit(ev)
+        # After the emit, never inside it; and only when the event let a page go: the drain
+        # (manager -> allocator -> ledger) does nothing otherwise, and this runs for every
+        # event on vLLM's scheduler step (about 35 a step at 256 running requests).
+        if self._drain is not None and self._ledger.has_fresh_releasable:
+            self._drain()
+
+    # --- the wrapped calls --------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> Any:
+        self.req(request.request_id)
+        return self._orig["on_new_request"](request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        r = self._req_ids.get(request.request_id)
+        if r is not None and r not in self._preempted and request.status is self._preempted_status:
+            # Preempted between steps (``Scheduler.reset_prefix_cache(reset_running_requests=
+            # True)``), and matched, maybe admitted, before the output that lists it in
+            # ``preempted_req_ids`` is built: record the preemption now, before matching drops
+            # its holds, or the ledger keeps a running request "preempted" (issue 13, item 2).
+            self._preempted[r] = request.request_id
+            self._emit(RequestPreempted(r))
+        if r is not None and r in self._held:
+            # The connector is about to clear this request's old block lists: nothing it holds
+            # a window for can be stored any more (kvcached PR #598, review comment P2). Job pins stay with their jobs.
+            self._held.discard(r)
+            self._emit(WindowRelease(r))
+        return self._orig["get_num_new_matched_tokens"](request, num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        given = _given(scheduler_output)
+        owners = self._owners(given, scheduler_output)
+        if self.windows:
+            for rid, groups, _ in given:
+                self._hold(rid, groups)
+        meta = self._orig["build_connector_meta"](scheduler_output)
+        emit, workers = self._emit, self.workers
+        written_after = self._record_owners(owners, meta) if owners else ()
+        # Sorted: vLLM hands some of these over as sets of strings, whose order changes with the
+        # hash seed, and a journal of the same run must be the same bytes (golden traces).
+        for job_id, job in sorted(meta.load_jobs.items()):
+            emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (_block_ids(job.dst_spec),), workers))
+        for job_id, job in sorted(meta.store_jobs.items()):
+            emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (_block_ids(job.src_spec),), workers))
+        for r, blocks in written_after:
+            emit(RequestBlocks(r, POOL, blocks))
+        preempted = self._preempted
+        for rid in sorted(scheduler_output.preempted_req_ids or ()):
+            r = self.req(rid)
+            if r not in preempted:  # not seen at matching: preempted within this schedule
+                preempted[r] = rid
+                emit(RequestPreempted(r))
+        if preempted:  # scheduled in this step: running again
+            scheduled = scheduler_output.num_scheduled_tokens
+            for r in [r for r, rid in preempted.items() if rid in scheduled]:
+                del preempted[r]
+        for rid in sorted(scheduler_output.finished_req_ids or ()):
+            done = self._req_ids.pop(rid, None)
+            if done is not None:
+                self._held.discard(done)
+                preempted.pop(done, None)
+                emit(RequestFinished(done))
+        emit(BuildBoundary(self.build))
+        self.build += 1
+        return meta
+
+    def _owners(self, given: list[_Given], so: Any) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """Which blocks each scheduled request was given in this step (``_given``), as (request,
+        fresh, shared): fresh if vLLM's pool handed them out in this step, else shared (prefix
+        hits, or blocks a resumed request holds again)."""
+        # Running requests are scheduled first (vLLM's ``Scheduler.schedule``), then waiting ones
+        # (new or resumed) in the order they were admitted, which is ``num_scheduled_tokens``'.
+        running = [(rid, groups) for rid, groups, admitted in given if not admitted]
+        waiting = [(rid, groups) for rid, groups, admitted in given if admitted]
+        if len(waiting) > 1:
+            order = {rid: i for i, rid in enumerate(so.num_scheduled_tokens)}
+            waiting.sort(key=lambda g: order.get(g[0], 0))
+        fresh = self._fresh
+        out: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        for rid, groups in running + waiting:
+            # vLLM caches a full block as soon as it is allocated, so a request scheduled later
+            # in the same step may hold a block handed out fresh in it as a prefix hit: the
+            # first request to hold it in scheduling order is the one its KV is written for.
+            new: list[int] = []
+            shared: list[int] = []
+            for group in groups:
+                for b in group:
+                    if b in fresh:
+                        fresh.discard(b)
+                        new.append(b)
+                    elif b:  # 0: vLLM's null block (skipped window positions)
+                        shared.append(b)
+            if new or shared:
+                out.append((self.req(rid), tuple(new), tuple(shared)))
+        fresh.clear()
+        return out
+
+    def _record_owners(
+        self, owners: list[tuple[int, tuple[int, ...], tuple[int, ...]]], meta: Any
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """Emit ``RequestBlocks`` before the build's jobs; return the fresh blocks to be told as
+        written only after them.
+
+        A fresh block is written by the forward of this step, but a store job that vLLM puts in
+        ``jobs_to_flush`` copies before that forward (the worker's ``handle_preemptions`` waits
+        for it first). vLLM 0.33 does so with the last store of a request that finished in the
+        previous step, whose freed blocks this schedule may give to another request: that store
+        reads the finished request's own KV. Such a block (read by flushed stores, and by no
+        unflushed store but its new holder's own) is told as held now and as written after the
+        jobs, or the ledger would see a foreign store (I5) that is none."""
+        flushed: set[int] = set()
+        unflushed: dict[int, set[int]] = {}  # block -> requests of unflushed stores that read it
+        flush = meta.jobs_to_flush
+        if flush:
+            for job_id, job in meta.store_jobs.items():
+                ids = _block_ids(job.src_spec)
+                if job_id in flush:
+                    flushed.update(ids)
+                else:
+                    r = self.req(job.req_id)
+                    for b in ids:
+                        unflushed.setdefault(b, set()).add(r)
+        after: list[tuple[int, tuple[int, ...]]] = []
+        for r, new, shared in owners:
+            later = tuple(b for b in new if b in flushed and unflushed.get(b, set()) <= {r}) if flushed else ()
+            if later:
+                new = tuple(b for b in new if b not in later)
+                shared = (*shared, *later)
+                after.append((r, later))
+            self._emit(RequestBlocks(r, POOL, new, shared))
+        return after
+
+    def _hold(self, request_id: str, groups: tuple[list[int], ...]) -> None:
+        blocks = tuple(b for g in sorted(self.windows) if g < len(groups) for b in groups[g] if b)
+        if blocks:
+            r = self.req(request_id)
+            self._held.add(r)
+            self._emit(WindowHold(r, POOL, blocks))
+
+    def update_connector_output(self, connector_output: Any) -> Any:
+        out = self._orig["update_connector_output"](connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        completed = getattr(meta, "completed_jobs", None)
+        if completed:
+            for job_id, count in completed.items():
+                self._emit(JobReported(int(job_id), int(count)))
+        return out
+
+    def close_build(self) -> None:
+        """Without a connector: close the open build if freed pages wait for one. Nothing else
+        ends a build there (``build_connector_meta`` is never called), and no copy can have
+        captured a freed block; the engine's scheduler calls call this (``scheduler_calls``)."""
+        ledger = self._ledger
+        if ledger.pending_grace_pages():
+            self.recorder.emit(BuildBoundary(ledger.build))
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._orig["has_pending_push_work"]()) or self.recorder.ledger.pending_grace_pages() > 0
+
+    # --- the wrapped block pool calls -----------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        blocks: list[Any] = self._orig["get_new_blocks"](num_blocks)
+        self._fresh.update([b.block_id for b in blocks])
+        return blocks
+
+    def reset_prefix_cache(self) -> bool:
+        ok = bool(self._orig["reset_prefix_cache"]())
+        if ok:
+            self._emit(PrefixCacheReset())
+        return ok
+
+
+def install_bridge(
+    scheduler: Any, recorder: Recorder, *, drain: Callable[[], None] | None = None, offloading: bool = True
+) -> Bridge:
+    """Shadow ``scheduler.connector``'s scheduler-side calls (a scheduler-role OffloadingConnector)
+    and the block pool's prefix-cache reset and ``get_new_blocks`` to feed ``recorder``; ``drain``
+    runs after each event (the manager's ``drain_releasable``). ``offloading=False``: a scheduler
+    without a KV connector, the reset only.
+
+    Refuses, with one line saying what to change, a scheduler without an OffloadingConnector
+    (unless ``offloading=False``), and a block pool already made page-aware (install the bridge
+    first, so that a reset is recorded before the frees the page-aware pool makes of it).
+    """
+    connector = getattr(scheduler, "connector", None) if offloading else None
+    on_connector = patches.by_name("offloading bridge")
+    on_pool = patches.by_name("prefix-cache reset and fresh blocks, recorded")
+    if offloading:
+        name = type(connector).__name__
+        if connector is None or name != "OffloadingConnector":
+            raise ConfigError(
+                f"kvcached's offloading bridge needs vLLM's OffloadingConnector as the only KV connector; "
+                f"this scheduler has {name if connector is not None else 'none'}: set "
+                "kv_transfer_config={'kv_connector': 'OffloadingConnector', ...} or disable kvcached"
+            )
+        patches.check_object(connector, on_connector)
+    pool = scheduler.kv_cache_manager.block_pool
+    if patches.by_name("page-aware block pool").name in getattr(pool, patches.SENTINEL, ()):
+        raise ConfigError("install kvcached's bridge before its page-aware pool (the pool's reset wraps the bridge's)")
+    patches.check_object(pool, on_pool)
+    if connector is not None:
+        parallel = scheduler.vllm_config.parallel_config
+        workers, windows = int(parallel.world_size), window_groups(scheduler.kv_cache_config)
+    else:
+        workers, windows = 1, frozenset()
+    bridge = Bridge(connector, recorder, workers=workers, windows=windows, drain=drain)
+    if connector is not None:
+        calls = {name: getattr(bridge, name) for name in patches.CONNECTOR_CALLS}
+        bridge._orig.update(patches.shadow(connector, on_connector, calls))
+    # Fresh blocks matter only to stores (I5): without a connector only the reset is recorded.
+    on_pool_calls: dict[str, Callable[..., Any]] = {"reset_prefix_cache": bridge.reset_prefix_cache}
+    if connector is not None:
+        on_pool_calls["get_new_blocks"] = bridge.get_new_blocks
+    bridge._orig.update(patches.shadow(pool, on_pool, on_pool_calls))
+    return bridge

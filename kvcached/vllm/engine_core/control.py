@@ -1,0 +1,85 @@
+"""Steering a served engine while it runs: its identity, its memory report, its limit.
+
+``kvctl limit`` and ``kvctl status`` reach the engine core through the ledger service's live
+socket, whose loop runs in its own thread. ``LiveControl`` is what that socket calls (the
+``EngineControl`` of ``kvcached.service.messages``): each request takes the engine's lock, which
+every scheduler call kvcached wraps holds too (``scheduler_calls``), so a limit is applied between
+two scheduler calls, never inside one, and an idle engine is steered at once. A limit may empty
+pages that wait for a build or decisions that wait for a step; ``wake`` (vLLM's ``WAKEUP``
+sentinel on the engine core's input queue, set when the busy loop starts) makes an idle engine
+take one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...service.messages import EngineInfo, MemoryStatus
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class LiveControl:
+    """The ``EngineControl`` of one engine (``service.messages``): its identity, its memory and
+    its limit, each under the engine's lock."""
+
+    def __init__(self, engine: Engine, info: EngineInfo, page_cost: int) -> None:
+        self.engine = engine
+        self.lock = engine.lock
+        self._info = info
+        self.page_cost = page_cost  # bytes one page costs: one page in every region of every backend
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def memory(self) -> MemoryStatus:
+        with self.lock:
+            return self._status()
+
+    def set_limit(self, size: int | None) -> MemoryStatus:
+        """Sets the memory limit to ``size`` bytes, rounded down to whole pages (None: no limit),
+        and shrinks as far as pins allow now; the rest follows as they are released."""
+        with self.lock:  # Engine.set_limit_bytes refuses a negative size and an engine without the pool
+            self.engine.set_limit_bytes(size)
+            if not self.engine.offloading:
+                self.engine.bridge.close_build()
+                self.engine.drain()
+            status = self._status()
+        wake = self.engine.wake
+        if wake is not None:
+            wake()  # pages emptied now may wait for a build, decisions for a step
+        return status
+
+    def _status(self) -> MemoryStatus:
+        manager = self.engine.manager
+        if manager is None:
+            return MemoryStatus(
+                page_bytes=self.page_cost, num_pages=0, mapped_pages=0, in_use_pages=0, reserved_pages=0,
+                limit_pages=0, shrink_pending=False, waiting_on={}, reason="vLLM's own block pool",
+            )
+        st = manager.state()
+        return MemoryStatus(
+            page_bytes=self.page_cost, num_pages=manager.allocator.num_pages, mapped_pages=st.mapped,
+            in_use_pages=st.in_use, reserved_pages=st.reserved, limit_pages=st.limit,
+            shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason,
+        )
+
+
+def engine_info(
+    scheduler: Any, *, socket: str, policy: str, versions: dict[str, str], budget: str | None
+) -> EngineInfo:
+    """Who this engine core is, for ``kvctl list`` and the metrics' labels."""
+    model = "?"
+    with_model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    if with_model is not None:
+        model = str(getattr(with_model, "served_model_name", None) or getattr(with_model, "model", "?"))
+    port = os.environ.get("KVCACHED_SERVE_PORT")
+    api = os.environ.get("KVCACHED_SERVE_PID")
+    return EngineInfo(
+        model=model, pid=os.getpid(), api_pid=int(api) if api and api.isdigit() else None,
+        port=int(port) if port and port.isdigit() else None, socket=socket, started_unix=time.time(),
+        policy=policy, vllm=versions.get("vllm", "?"), kvcached=versions.get("kvcached", "?"), budget=budget,
+    )

@@ -1,0 +1,60 @@
+"""How the page-aware pool has vLLM's own code hand out the blocks kvcached chose.
+
+The page-aware pool (``block_pool``) decides which free blocks vLLM hands out and lets vLLM's
+own ``BlockPool`` code do the handing out, so that it copies none of it. Two things that code
+offers no public name for are used here, and declared with the names the seam relies on in the
+patch table's ``RELIED_ON`` (``kvcached.vllm.patches``), so that a vLLM upgrade that changes them is
+refused at engine build and fails ``tests/vllm_scheduler/test_patches.py``:
+
+* the seam: ``BlockPool.get_new_blocks(n)`` hands out the first ``n`` blocks of its public
+  ``free_block_queue`` (``FreeKVCacheBlockQueue.popleft_n``), in queue order. kvcached moves the
+  blocks it chose to the head of that queue (``remove``, ``prepend_n``, both public), then calls
+  vLLM's method, which drops their prefix-cache hashes, tells reuse watchers, counts
+  references and metrics as it always does (``hand_out`` checks that it got what it chose);
+* the private names: giving the pages of cached blocks back beyond ``KVCACHED_MAX_CACHED_TOKENS``
+  evicts them without handing them out, and vLLM's public ``evict_blocks`` does not tell the
+  watchers that ``unpin_blocks`` registered (vLLM's HiSparse reads such a block until it is
+  reused). ``notify_reuse`` does what ``get_new_blocks`` and ``reset_prefix_cache`` do for that,
+  through ``BlockPool._reuse_watchers`` and ``BlockPool._notify_reuse`` (vLLM 0.32 and 0.33,
+  ``vllm/v1/core/block_pool.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ...errors import KvcachedError
+from ..patches import vllm_version
+
+
+class SeamError(KvcachedError):
+    """vLLM's ``get_new_blocks`` no longer hands out the head of its free queue: it handed out
+    blocks kvcached did not choose, and this module must follow that vLLM."""
+
+
+def hand_out(pool: Any, blocks: Sequence[Any], get_new_blocks: Callable[[int], list[Any]]) -> list[Any]:
+    """Have vLLM's own ``get_new_blocks`` (the unwrapped method) hand out exactly ``blocks``.
+
+    Each block must be in the free queue; the caller makes vLLM's free count its own queue's
+    while this runs (vLLM checks it against ``get_num_free_blocks`` first)."""
+    if not blocks:
+        return []
+    queue = pool.free_block_queue
+    for block in blocks:
+        queue.remove(block)
+    queue.prepend_n(list(blocks))
+    got = get_new_blocks(len(blocks))
+    # First and last by identity: O(1), and enough to see a vLLM that pops from elsewhere.
+    if len(got) != len(blocks) or got[0] is not blocks[0] or got[-1] is not blocks[-1]:
+        raise SeamError(
+            f"vLLM's BlockPool.get_new_blocks ({vllm_version()}) did not hand out the head of its free "
+            "queue; kvcached/vllm/engine_core/pool_seam.py must follow it"
+        )
+    return got
+
+
+def notify_reuse(pool: Any, blocks: Sequence[Any]) -> None:
+    """Tell the watchers of ``blocks`` (``unpin_blocks``' ``on_reuse``) that their bytes go."""
+    if pool._reuse_watchers:
+        pool._notify_reuse(blocks)

@@ -1,0 +1,116 @@
+"""One wrapper around each of the scheduler's KV calls: the engine's lock, then the drain.
+
+kvcached's allocator, manager and page-aware pool belong to the scheduler's thread and are not
+thread-safe, while ``kvctl limit`` and ``kvctl status`` arrive on the ledger service's thread.
+So each scheduler method that can touch them (``patches.SCHEDULER_CALLS``: vLLM's
+``Scheduler.schedule``, ``update_from_output``, ``finish_requests``, ``reset_prefix_cache`` and
+the others there) is shadowed on the one scheduler instance with a wrapper that holds the
+engine's reentrant lock while vLLM's method runs, and a limit takes the same lock: it is applied
+between two scheduler calls, never inside one, and an idle engine (whose busy loop waits for
+requests and calls nothing) is steered at once. The lock costs an uncontended acquire and
+release per call, against a scheduler step of milliseconds; the model's forward pass runs
+outside it, so a limit never waits for a step's GPU work.
+
+Before the lock is let go the wrapper finishes the call's kvcached side, in one place:
+
+* ``schedule`` attaches the page decisions made since the last step to its ``SchedulerOutput``
+  (``step_channel``), so a decision ``kvctl limit`` makes on another thread goes out whole, in
+  this batch or the next;
+* without a KV connector, nothing calls ``build_connector_meta``, so the ledger's grace pins
+  (which end at the next build) would keep every freed page mapped for good; with no connector
+  there is no copy a build could have captured a freed block for, so the bridge closes the open
+  build at the end of each call that frees blocks (``Bridge.close_build``);
+* the allocator drains the pages the call's events released, once, as vLLM's own
+  ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a step;
+* ``shutdown`` closes the engine (journal, ledger service, budget) after vLLM's.
+
+A failure inside a call asks the ledger service to save its flight recorder before the
+exception goes on to vLLM, which stops the engine core: the events that led to the error are on
+disk when the process dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ...errors import KvcachedError
+from .. import patches
+from ..step_channel import ATTR
+
+if TYPE_CHECKING:
+    from ...kv_cache_manager import KVCacheManager
+    from ..step_channel import PageLog
+    from .bridge import Bridge
+
+
+class Engine(Protocol):
+    """What the wrappers need of ``engine.Engine`` (named so, without importing it: that module
+    imports this one)."""
+
+    lock: threading.RLock
+    bridge: Bridge
+    manager: KVCacheManager | None
+    page_log: PageLog | None
+
+    @property
+    def offloading(self) -> bool: ...
+
+    def drain(self) -> None: ...
+
+    def failed(self, where: str, exc: BaseException) -> None: ...
+
+    def close(self) -> None: ...
+
+log = logging.getLogger("vllm.kvcached")
+
+# The calls after which, without a connector, the open build is closed: the ones that free blocks.
+_FREEING = frozenset(("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"))
+
+
+def install(scheduler: Any, engine: Engine) -> None:
+    """Shadow ``scheduler``'s KV calls (those it has) with the engine's wrappers."""
+    patch = patches.by_name("the engine's lock and drain around each KV call")
+    replacements = {
+        name: _wrap(engine, name, getattr(scheduler, name))
+        for name in patch.attrs
+        if callable(getattr(scheduler, name, None))
+    }
+    patches.shadow(scheduler, patch, replacements)
+
+
+def _wrap(engine: Engine, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    lock = engine.lock
+    bridge = engine.bridge
+    closes = name in _FREEING and not engine.offloading and engine.manager is not None
+    page_log = engine.page_log if name == "schedule" else None
+    shutdown = name == "shutdown"
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            try:
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    if closes:
+                        bridge.close_build()
+                    engine.drain()
+                if page_log is not None:
+                    setattr(out, ATTR, page_log.take())
+            except Exception as exc:
+                engine.failed(name, exc)
+                raise
+            finally:
+                if shutdown:
+                    try:
+                        engine.close()
+                    except KvcachedError as e:  # losing the trace must not fail vLLM's shutdown
+                        log.error("[kvcached] journal: %s", e)
+        return out
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = fn.__doc__
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call

@@ -1,0 +1,130 @@
+"""The engine a served vLLM engine core runs: built from ``Settings`` right after its scheduler.
+
+``Scheduler.__init__`` (the patch table's "kvcached under the scheduler") builds vLLM's KV cache
+manager, block pool and scheduler-side connector; its replacement runs it, then ``build`` puts
+kvcached under them, as the scenarios and benchmarks do (``engine.assemble``), with what only a
+server has: the manager's backends are ``DecisionBackend`` objects, whose decisions ride each
+step to the workers that own the KV memory (``step_sender``); the ledger service runs in every
+engine (a live socket for ``kvctl`` with a replica of the ledger, the flight recorder, and with
+``KVCACHED_LEDGER_JOURNAL`` a journal); ``kvctl`` steers the engine through its ``LiveControl``.
+The engine core then logs one line saying kvcached is active, with what, and what it changed in
+vLLM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import KvcachedError
+from ...ledger.compiled import compiled_status
+from ...service.ledger_service import ServiceConfig
+from ...service.live import default_socket_path
+from ...settings import Settings
+from ...version import KVCACHED_VERSION
+from .. import patches
+from ..kv_layout import plan as kv_plan
+from . import control, step_sender
+from .engine import Engine, EngineConfig, assemble
+
+log = logging.getLogger("vllm.kvcached")
+
+
+def service_config(settings: Settings, socket: str) -> ServiceConfig:
+    """The ledger service of a served engine (the bridge benchmark measures the same one). The
+    journal, if any, is written by the service's thread, off the scheduler's path, within
+    ``flush_interval`` of each event: vLLM kills the engine core at shutdown without calling the
+    scheduler's shutdown, so nothing may wait for a final flush."""
+    return ServiceConfig(
+        journal=settings.journal,
+        replica=True,
+        snapshot_every=1_000_000 if settings.journal else 0,
+        flush_interval=0.005,
+        socket=socket,
+        flight_events=settings.flight_recorder_events,
+        dump_dir=settings.dump_dir,
+    )
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def build(scheduler: Any, settings: Settings) -> Engine:
+    """kvcached under a served engine core's freshly built ``scheduler``."""
+    plan = kv_plan(scheduler.kv_cache_config, settings.page_bytes)
+    # The workers own the KV memory; the scheduler's decisions reach them with each step.
+    backends, page_log = step_sender.decision_backends(scheduler, plan, kind="host" if _on_cpu() else "cuda")
+    geometry = plan.geometry
+    socket = default_socket_path()
+    config = EngineConfig(
+        policy=settings.policy,
+        min_reserved_pages=settings.min_reserved_pages,
+        max_reserved_pages=settings.max_reserved_pages,
+        max_cached_blocks=settings.max_cached_blocks(int(scheduler.cache_config.block_size)),
+        journal_service=service_config(settings, socket),
+        max_reserved_bytes=settings.max_reserved_bytes,
+        budget=settings.budget,
+        budget_bytes=settings.budget_bytes,
+    )
+    engine = assemble(scheduler, geometry, backends, config, page_log=page_log)
+    info = control.engine_info(
+        scheduler, socket=socket, policy=settings.policy.value,
+        versions={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
+    )
+    live = control.LiveControl(engine, info, engine.page_bytes)
+    engine.control = live
+    if engine.service is not None:
+        engine.service.service.control = live
+    atexit.register(_close_quietly, engine)
+    slow = compiled_status()
+    if slow is not None:
+        log.warning("%s", slow)
+    backend = backends[0]
+    flight = f"last {settings.flight_recorder_events} events" if settings.flight_recorder_events else "off"
+    on_objects = sum(len(p.attrs) for p in patches.engine_patches())
+    log.info(
+        "[kvcached] active: backend=%s, page=%g MiB, policy=%s, journal=%s, offloading bridge=%s, "
+        "kvctl socket=%s, flight recorder=%s, %s, budget=%s, KV: %s; vLLM changed: %s, and %d attributes "
+        "of this engine's scheduler, connector and block pool (kvcached/vllm/patches.py)",
+        backend.kind + (" (shared)" if getattr(backend, "shared", None) else ""),
+        geometry.page_bytes / (1 << 20),
+        settings.policy.value,
+        settings.journal or "off",
+        "on" if engine.offloading else "off",
+        socket,
+        flight,
+        engine.describe_reserve(),
+        settings.budget or "none",
+        plan.describe(),
+        ", ".join(patches.installed()) or "nothing process-wide",
+        on_objects,
+    )
+    return engine
+
+
+def _close_quietly(engine: Engine) -> None:
+    try:
+        engine.close()
+    except KvcachedError as e:  # losing the trace must not fail the shutdown
+        log.error("[kvcached] journal: %s", e)
+
+
+def wrap_scheduler_init(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+    """``Scheduler.__init__``: vLLM's, then kvcached's engine under it (refused in one line)."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            build(self, settings)
+        except KvcachedError as e:
+            log.error("[kvcached] refused: %s", str(e).removeprefix("kvcached: "))
+            raise
+
+    return __init__

@@ -1,0 +1,137 @@
+"""Where vLLM's KV blocks sit in kvcached's pages: the plan every vLLM process agrees on.
+
+vLLM allocates the KV cache as one buffer cut into per-layer views (``allocate_kv_cache`` in
+``vllm/v1/worker/utils.py``): block ``b`` of layer ``l`` of a tensor starts at ``offset + l *
+layer_stride + b * block_stride``. ``plan`` reads that layout from vLLM's ``KVCacheConfig`` and
+says how kvcached's range holds it: block-outermost (a block packs all layers: one *contiguous*
+region, a page holds whole packed blocks) or layer-outermost (each layer its own region, logical
+page ``p`` mapped in every region at once). Anything else is refused with one line, because a page
+could then hold bytes of blocks that are not all free when the ledger lets it go. The API server
+(its startup checks), the engine core (the manager's geometry) and each worker (its views) compute
+the same plan from the same config, so they agree on which page a block is on without talking.
+The key naming one server's shared host memory (``server_key``) is made in the API server and
+inherited by every child.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from typing import Any
+
+import msgspec
+
+from ..errors import ConfigError
+from ..kv_cache_manager import KVGeometry, Layout
+
+SERVER_KEY_ENV = "KVCACHED_SERVER_KEY"
+
+
+class KVPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Where vLLM's blocks sit in kvcached's range."""
+
+    num_blocks: int
+    block_bytes: int  # bytes of one block in one region (the whole packed block if contiguous)
+    page_bytes: int
+    regions: int  # 1 (contiguous) or the number of layers (per-layer)
+    vllm_size: int  # the backing size vLLM asked for
+
+    @property
+    def geometry(self) -> KVGeometry:
+        layout = Layout.PER_LAYER if self.regions > 1 else Layout.CONTIGUOUS
+        return KVGeometry(
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            page_bytes=self.page_bytes,
+            num_layers=self.regions,
+            layout=layout,
+        )
+
+    @property
+    def region_bytes(self) -> int:
+        return self.geometry.num_pages * self.page_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.region_bytes * self.regions
+
+    def describe(self) -> str:
+        g = self.geometry
+        kind = f"per-layer x{self.regions}" if self.regions > 1 else "contiguous"
+        return f"{g.num_blocks} blocks of {self.block_bytes} B on {g.num_pages} pages ({kind})"
+
+
+def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
+    """Check vLLM's KV cache layout against kvcached's and say where each block lives."""
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    if not tensors:
+        raise ConfigError("kvcached: this model has no KV cache tensors to serve; disable kvcached (ENABLE_KVCACHED=0)")
+    if any(getattr(t, "host_resident", False) for t in tensors):
+        raise ConfigError("kvcached: host-resident KV tensors (HiSparse) are not supported; disable kvcached")
+    strides = {(int(t.layer_stride), int(t.block_stride)) for t in tensors}
+    offsets = {int(t.offset) for t in tensors}
+    if len(strides) != 1 or offsets != {0}:
+        raise ConfigError(
+            f"kvcached: KV tensors with different strides or offsets ({sorted(strides)}, offsets {sorted(offsets)}) "
+            "are not supported; set VLLM_KV_CACHE_LAYOUT to a layer-outermost layout (e.g. LBHNC) or disable kvcached"
+        )
+    ((layer_stride, block_stride),) = strides
+    layers = max(len(t.layers) for t in tensors)
+    n = int(kv_cache_config.num_blocks)
+    page_l = max(_layer_page_bytes(kv_cache_config, t.layers[0]) for t in tensors)
+    if page_l > min(block_stride, layer_stride if layers > 1 else block_stride):
+        raise ConfigError(
+            f"kvcached: this KV layout splits one layer's block ({page_l} B) into pieces {block_stride} B apart "
+            "(heads outside blocks); set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
+        )
+    if layers == 1 or layer_stride < block_stride:
+        regions, block_bytes = 1, block_stride  # a block packs every layer
+        if layers > 1 and (layers - 1) * layer_stride >= block_stride:
+            raise ConfigError(
+                f"kvcached: KV layout with layer stride {layer_stride} and block stride {block_stride} "
+                "interleaves blocks; set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
+            )
+    elif layer_stride >= n * block_stride:
+        regions, block_bytes = layers, block_stride
+    else:
+        raise ConfigError(
+            f"kvcached: KV layout with layer stride {layer_stride} < {n} blocks x {block_stride} B interleaves "
+            "layers inside a block; set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
+        )
+    if block_bytes > page_bytes or page_bytes % block_bytes:
+        # The smallest page that holds whole blocks and is whole 2 MiB (CUDA VMM) units.
+        fit = math.lcm(block_bytes, 2 << 20) >> 20
+        raise ConfigError(
+            f"kvcached: a KV block takes {block_bytes} bytes, which does not divide a "
+            f"{page_bytes / (1 << 20):g} MiB page; set KVCACHED_PAGE_SIZE_MB={fit} "
+            "(or a --block-size that makes the block a power of two)"
+        )
+    return KVPlan(
+        num_blocks=n,
+        block_bytes=block_bytes,
+        page_bytes=page_bytes,
+        regions=regions,
+        vllm_size=max(int(t.size) for t in tensors),
+    )
+
+
+def _layer_page_bytes(kv_cache_config: Any, layer: str) -> int:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[layer]
+            return int(spec.page_size_bytes)
+    raise ConfigError(f"kvcached: KV tensor layer {layer} is in no KV cache group")
+
+
+def server_key() -> str:
+    """The key naming this server's shared KV memory; made once and inherited by child processes."""
+    key = os.environ.get(SERVER_KEY_ENV)
+    if not key:
+        key = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        os.environ[SERVER_KEY_ENV] = key
+    return key

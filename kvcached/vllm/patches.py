@@ -1,0 +1,382 @@
+"""Every change kvcached makes to vLLM, declared once: its target, the vLLM it is known for, why.
+
+kvcached leaves vLLM's files as shipped and changes a few of its attributes at run time. Each
+such change is one ``Patch`` in ``PATCHES``: the target (module, class, attribute), the vLLM
+versions it is known to hold for, the vLLM function or pull request it relies on, how it is
+installed and when. Nothing else in kvcached assigns to a vLLM attribute; the installers here
+do, and each first checks every target of what it is about to install, so that a vLLM which
+moved one refuses in one line naming the target and the version found, before anything has
+changed. Where vLLM offers a documented seam it is used instead of a patch: the general-plugin
+entry point (``vllm.general_plugins``, which runs ``kvcached.vllm.plugin.register`` in every
+vLLM process) and the offloading spec's ``spec_module_path`` (``kvcached.vllm.offload.cpu``).
+
+Patches are installed at four moments, ``When``: at plugin load (process-wide wrappers of a
+module's or a class's function, in every vLLM process), at a worker's KV allocation (its model
+runner), at engine build (bound methods shadowed on the one scheduler, connector and block pool
+kvcached is put under, and an attribute added), and when the engine core's busy loop starts.
+Each replacement carries one sentinel, ``SENTINEL``: a wrapper function names its patch, and a
+patched vLLM object lists the patches on it. A target carrying it is installed, which makes
+installing idempotent and lets ``installed()`` say what this process changed (the engine
+core's ``[kvcached] active`` line lists it).
+
+This is upstream kvcached's ``integration/patch_base.py`` idea (``BasePatch``: a library, a
+target, ``can_apply``; ``version_utils.version_range``) kept as data: a frozen record per change
+in one table, not a class per patch, so the whole surface is one screen to read before a vLLM
+upgrade.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+import msgspec
+
+from ..errors import ConfigError
+
+SENTINEL: Final = "__kvcached_patch__"
+# The vLLM releases every target below was read in and tested on (the API server refuses others).
+KNOWN: Final = ("0.32.0", "0.33.0")
+
+
+class When(enum.Enum):
+    PLUGIN_LOAD = "plugin load"  # ``register``, in every vLLM process
+    KV_ALLOCATION = "KV allocation"  # in a worker, when its KV cache is made on kvcached pages
+    ENGINE_BUILD = "engine build"  # in the engine core, when kvcached is put under a scheduler
+    BUSY_LOOP = "busy loop start"  # in the engine core, when ``EngineCoreProc.run_busy_loop`` starts
+
+
+class How(enum.Enum):
+    WRAPPED = "wrapped"  # a module's or class's function, replaced by one that calls it
+    SHADOWED = "shadowed"  # a bound method of one object, shadowed by an instance attribute
+    ADDED = "added"  # an attribute vLLM does not have
+
+
+class Patch(msgspec.Struct, frozen=True, kw_only=True):
+    """One change to vLLM: ``module.owner.attr`` for each of ``attrs``."""
+
+    name: str  # what the log and the errors call it
+    process: str  # the vLLM process it runs in
+    module: str
+    owner: str | None  # the class; None: a module attribute
+    attrs: tuple[str, ...]
+    how: How
+    when: When
+    why: str  # the vLLM function or upstream change it relies on
+    versions: tuple[str, ...] = KNOWN
+    optional: bool = False  # a target some vLLM builds lack: skipped there, not refused
+    loaded_only: bool = False  # changed only in a process that has imported the module already
+    # ``module:function`` making a process-wide replacement: ``factory(original, context)``.
+    factory: str | None = None
+
+    def targets(self) -> list[str]:
+        where = f"{self.module}.{self.owner}" if self.owner else self.module
+        return [f"{where}.{a}" for a in self.attrs]
+
+
+_CORE = "vllm.v1.core.sched.scheduler"
+_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+_POOL = "vllm.v1.core.block_pool"
+
+# The scheduler's methods that read or change KV state: each runs under the engine's lock and
+# drains the allocator at its end (``engine_core.scheduler_calls``).
+SCHEDULER_CALLS: Final = (
+    "schedule",
+    "update_from_output",
+    "finish_requests",
+    "add_request",
+    "reset_prefix_cache",
+    "reset_connector_cache",
+    "set_pause_state",
+    "update_draft_token_ids",
+    "make_stats",
+    "get_kv_cache_usage",
+    "shutdown",
+)
+CONNECTOR_CALLS: Final = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "build_connector_meta",
+    "update_connector_output",
+    "has_pending_push_work",
+)
+POOL_CALLS: Final = (
+    "get_num_free_blocks",
+    "get_new_blocks",
+    "free_blocks",
+    "touch",
+    "unpin_blocks",
+    "evict_blocks",
+    "reset_prefix_cache",
+)
+
+PATCHES: Final = (
+    # --- API server --------------------------------------------------------------------------
+    Patch(
+        name="startup checks", process="API server", module="vllm.engine.arg_utils", owner="EngineArgs",
+        attrs=("create_engine_config",), how=How.WRAPPED, when=When.PLUGIN_LOAD,
+        why="EngineArgs.create_engine_config builds the VllmConfig every engine starts from: an unsupported "
+        "setup is refused there, before an engine process exists; the API server's /metrics joins here",
+        factory="kvcached.vllm.api_server.startup:wrap_create_engine_config",
+    ),
+    # --- worker ------------------------------------------------------------------------------
+    Patch(
+        name="KV cache on kvcached pages", process="worker", module="vllm.v1.worker.utils", owner=None,
+        attrs=("allocate_kv_cache",), how=How.WRAPPED, when=When.PLUGIN_LOAD,
+        why="allocate_kv_cache makes the worker's KV tensors (one buffer cut by create_kv_cache_views); "
+        "kvcached returns the same views over its own range",
+        factory="kvcached.vllm.worker.hooks:wrap_allocate_kv_cache",
+    ),
+    Patch(
+        name="KV cache on kvcached pages (V1 runner's import)", process="worker",
+        module="vllm.v1.worker.gpu_model_runner", owner=None, attrs=("allocate_kv_cache",), how=How.WRAPPED,
+        when=When.PLUGIN_LOAD, optional=True, loaded_only=True,
+        why="GPUModelRunner imports allocate_kv_cache by name; a runner module loaded before the plugin "
+        "holds vLLM's function, so its name is rebound too",
+        factory="kvcached.vllm.worker.hooks:rebind_allocate_kv_cache",
+    ),
+    Patch(
+        name="KV cache on kvcached pages (V2 runner's import)", process="worker",
+        module="vllm.v1.worker.gpu.attn_utils", owner=None, attrs=("allocate_kv_cache",), how=How.WRAPPED,
+        when=When.PLUGIN_LOAD, optional=True, loaded_only=True,
+        why="the V2 model runner (vllm/v1/worker/gpu/) imports allocate_kv_cache by name, as the V1 one",
+        factory="kvcached.vllm.worker.hooks:rebind_allocate_kv_cache",
+    ),
+    Patch(
+        name="page decisions applied before each step", process="worker",
+        module="vllm.v1.worker.gpu_model_runner", owner="GPUModelRunner", attrs=("execute_model",),
+        how=How.WRAPPED, when=When.KV_ALLOCATION, loaded_only=True,
+        why="GPUModelRunner.execute_model is where every executor's worker path ends (Ray's "
+        "execute_model_ray included; the CPU build's CPUModelRunner subclasses it): the step's "
+        "SchedulerOutput carries the scheduler's page decisions, applied before the forward",
+        factory="kvcached.vllm.worker.step_receiver:wrap_execute_model",
+    ),
+    Patch(
+        name="page decisions applied before each step (V2 runner)", process="worker",
+        module="vllm.v1.worker.gpu.model_runner", owner="GPUModelRunner", attrs=("execute_model",),
+        how=How.WRAPPED, when=When.KV_ALLOCATION, optional=True, loaded_only=True,
+        why="the V2 model runner's execute_model, the same step for vLLM's new runner",
+        factory="kvcached.vllm.worker.step_receiver:wrap_execute_model",
+    ),
+    # --- engine core: process-wide -----------------------------------------------------------
+    Patch(
+        name="kvcached under the scheduler", process="engine core", module=_CORE, owner="Scheduler",
+        attrs=("__init__",), how=How.WRAPPED, when=When.PLUGIN_LOAD,
+        why="Scheduler.__init__ builds the KVCacheManager, its BlockPool and the scheduler-side connector; "
+        "right after it, before the first request, kvcached's engine is built under them (AsyncScheduler "
+        "inherits it)",
+        factory="kvcached.vllm.engine_core.served:wrap_scheduler_init",
+    ),
+    Patch(
+        name="idle engine sends decisions; kvctl wakes it", process="engine core", module="vllm.v1.engine.core",
+        owner="EngineCoreProc", attrs=("run_busy_loop",), how=How.WRAPPED, when=When.PLUGIN_LOAD,
+        why="EngineCoreProc.run_busy_loop starts after EngineCore.__init__, in which a spawned engine core "
+        "loads the plugins (too late to wrap that constructor); from there has_work is shadowed",
+        factory="kvcached.vllm.engine_core.step_sender:wrap_run_busy_loop",
+    ),
+    # --- engine core: the objects of one engine ----------------------------------------------
+    Patch(
+        name="the engine's lock and drain around each KV call", process="engine core", module=_CORE,
+        owner="Scheduler", attrs=SCHEDULER_CALLS, how=How.SHADOWED, when=When.ENGINE_BUILD,
+        why="kvctl's limit and status arrive on the ledger service's thread and must fall between two "
+        "scheduler calls; the allocator drains once at the end of each call, as Scheduler.schedule drains "
+        "BlockPool.take_events once a step; shutdown closes the ledger service",
+    ),
+    Patch(
+        name="the engine, found by kvcached", process="engine core", module=_CORE, owner="Scheduler",
+        attrs=("kvcached_engine",), how=How.ADDED, when=When.ENGINE_BUILD,
+        why="the one place kvcached's state for a scheduler hangs (engine_core.engine.engine_of)",
+    ),
+    Patch(
+        name="offloading bridge", process="engine core", module=_CONNECTOR, owner="OffloadingConnector",
+        attrs=CONNECTOR_CALLS, how=How.SHADOWED, when=When.ENGINE_BUILD,
+        why="the scheduler-side OffloadingConnector's calls say which blocks a store or load job copies "
+        "and when every worker reported it (kvcached PR #598's freed-block copies); its class stays vLLM's",
+    ),
+    Patch(
+        name="prefix-cache reset and fresh blocks, recorded", process="engine core", module=_POOL,
+        owner="BlockPool", attrs=("reset_prefix_cache", "get_new_blocks"), how=How.SHADOWED,
+        when=When.ENGINE_BUILD,
+        why="BlockPool.reset_prefix_cache frees every cached block (recorded before those frees); "
+        "get_new_blocks tells a request's fresh blocks from its prefix hits (the ledger's I5)",
+    ),
+    Patch(
+        name="page-aware block pool", process="engine core", module=_POOL, owner="BlockPool", attrs=POOL_CALLS,
+        how=How.SHADOWED, when=When.ENGINE_BUILD,
+        why="BlockPool hands out the head of one LRU queue, blind to pages; kvcached chooses the blocks "
+        "(partly used pages first) and lets vLLM's get_new_blocks hand them out (engine_core.pool_seam)",
+    ),
+    Patch(
+        name="page decisions ride the step", process="engine core", module="vllm.v1.core.sched.output",
+        owner="SchedulerOutput", attrs=("kvcached_page_ops",), how=How.ADDED, when=When.ENGINE_BUILD,
+        why="vLLM sends each SchedulerOutput whole to every worker (shm_broadcast.MessageQueue.enqueue "
+        "pickles its __dict__; Ray's compiled graph; the uni executor hands the object)",
+    ),
+    Patch(
+        name="idle engine flushes decisions", process="engine core", module="vllm.v1.engine.core",
+        owner="EngineCoreProc", attrs=("has_work",), how=How.SHADOWED, when=When.BUSY_LOOP,
+        why="EngineCoreProc._process_input_queue blocks on its input queue while has_work() is false: an "
+        "idle engine first sends pending page decisions through collective_rpc",
+    ),
+)
+
+# Names kvcached reads on vLLM's objects without changing them, beyond their public methods:
+# checked like the patches' targets (``engine_core.pool_seam`` says why each is needed).
+RELIED_ON: Final = (
+    Patch(
+        name="pool seam", process="engine core", module=_POOL, owner="BlockPool",
+        attrs=("_reuse_watchers", "_notify_reuse", "free_block_queue", "blocks", "null_block", "evict_blocks"),
+        how=How.WRAPPED, when=When.ENGINE_BUILD,
+        why="BlockPool.get_new_blocks hands out the head of free_block_queue; _notify_reuse tells "
+        "unpin_blocks' watchers (vLLM 0.32 and 0.33, vllm/v1/core/block_pool.py)",
+    ),
+    Patch(
+        name="free queue seam", process="engine core", module="vllm.v1.core.kv_cache_utils",
+        owner="FreeKVCacheBlockQueue",
+        attrs=("remove", "prepend_n", "popleft_n", "num_free_blocks"), how=How.WRAPPED, when=When.ENGINE_BUILD,
+        why="the page-aware pool moves its choice to the queue's head before vLLM pops it",
+    ),
+)
+
+
+class PatchError(ConfigError):
+    """vLLM lacks an attribute kvcached patches or relies on: this vLLM is not one kvcached knows."""
+
+
+def by_name(name: str) -> Patch:
+    for p in (*PATCHES, *RELIED_ON):
+        if p.name == name:
+            return p
+    raise KeyError(name)
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # a stand-in object in a test, or a broken install: the target says enough
+        return "unknown"
+
+
+def _refusal(patch: Patch, target: str) -> PatchError:
+    return PatchError(
+        f"kvcached does not know this vLLM ({vllm_version()}): {target} is missing ({patch.name}; known for "
+        f"vLLM {', '.join(patch.versions)}); install one of those or disable kvcached (ENABLE_KVCACHED=0)"
+    )
+
+
+def _owner(patch: Patch) -> Any | None:
+    """The module or class a process-wide patch changes; None for an optional one that is absent."""
+    if patch.loaded_only:
+        module = sys.modules.get(patch.module)
+        if module is None:
+            return None
+        return _attr_owner(patch, module)
+    try:
+        module = importlib.import_module(patch.module)
+    except ImportError:
+        if patch.optional:
+            return None
+        raise _refusal(patch, patch.module) from None
+    return _attr_owner(patch, module)
+
+
+def _attr_owner(patch: Patch, module: Any) -> Any | None:
+    if patch.owner is None:
+        return module
+    owner = getattr(module, patch.owner, None)
+    if owner is None and not patch.optional:
+        raise _refusal(patch, f"{patch.module}.{patch.owner}")
+    return owner
+
+
+def check(patches: Iterable[Patch]) -> list[tuple[Patch, Any]]:
+    """Every target of ``patches`` (process-wide ones), found or refused; returns (patch, owner)
+    for those present, in order. Changes nothing."""
+    found = []
+    for p in patches:
+        owner = _owner(p)
+        if owner is None:
+            continue
+        if p.how is How.ADDED:  # vLLM has no such attribute: the class is what must be there
+            found.append((p, owner))
+            continue
+        for attr, target in zip(p.attrs, p.targets(), strict=True):
+            if not hasattr(owner, attr):
+                if p.optional:
+                    break
+                raise _refusal(p, target)
+        else:
+            found.append((p, owner))
+    return found
+
+
+def _factory(patch: Patch) -> Callable[..., Any]:
+    assert patch.factory is not None, patch.name
+    module, _, fn = patch.factory.partition(":")
+    return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
+
+
+_INSTALLED: list[str] = []  # what this process changed, in order, for the active line
+
+
+def install(when: When, context: Any) -> None:
+    """Install the process-wide patches of ``when``: every target checked first, then each
+    wrapped (``factory(original, context)``) unless a wrapper of kvcached's is already there."""
+    for p, owner in check(q for q in PATCHES if q.when is when and q.how is How.WRAPPED):
+        (attr,) = p.attrs
+        original = getattr(owner, attr)
+        if getattr(original, SENTINEL, None) is not None:
+            continue
+        replacement = _factory(p)(original, context)
+        if replacement is None:  # the factory found nothing to change (a rebinding of a name not held)
+            continue
+        setattr(replacement, SENTINEL, p.name)
+        setattr(owner, attr, replacement)
+        _INSTALLED.append(p.targets()[0].removeprefix("vllm."))
+
+
+def check_object(obj: Any, patch: Patch) -> None:
+    """Refuse an object that lacks an attribute ``patch`` shadows or relies on, or that carries it."""
+    if patch.name in getattr(obj, SENTINEL, ()):
+        raise ConfigError(f"kvcached's {patch.name} is already installed on this {type(obj).__name__}")
+    if patch.how is How.ADDED:
+        return
+    for attr, target in zip(patch.attrs, patch.targets(), strict=True):
+        if not hasattr(obj, attr):
+            raise _refusal(patch, target)
+
+
+def shadow(obj: Any, patch: Patch, replacements: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """Shadow ``obj``'s bound methods named by ``patch`` with ``replacements`` (checked with
+    ``check_object`` beforehand) and return the originals; marks ``obj`` with the sentinel."""
+    assert set(replacements) <= set(patch.attrs), (patch.name, set(replacements) - set(patch.attrs))
+    originals = {name: getattr(obj, name) for name in replacements}
+    for name, fn in replacements.items():
+        setattr(obj, name, fn)
+    mark(obj, patch)
+    return originals
+
+
+def mark(obj: Any, patch: Patch) -> None:
+    """Note on ``obj`` that ``patch`` is installed on it (``shadow`` does it; an ``ADDED`` patch too)."""
+    setattr(obj, SENTINEL, (*getattr(obj, SENTINEL, ()), patch.name))
+
+
+def installed() -> list[str]:
+    """The process-wide patches this process installed (``module.Class.attr``, vLLM's prefix off)."""
+    return list(_INSTALLED)
+
+
+def engine_patches() -> list[Patch]:
+    """The patches on the objects of one engine (installed at engine build and busy-loop start)."""
+    return [p for p in PATCHES if p.when in (When.ENGINE_BUILD, When.BUSY_LOOP)]
+
+
+def sites() -> int:
+    """How many vLLM attributes the table changes (a patch's attrs counted one by one)."""
+    return sum(len(p.attrs) for p in PATCHES)

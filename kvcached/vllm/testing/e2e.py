@@ -1,0 +1,358 @@
+"""Running real vLLM servers for the end-to-end tests and the serving benchmark.
+
+A ``Server`` is one ``python -m vllm.entrypoints.openai.api_server`` process group on
+127.0.0.1, its log in a file, started with kvcached on or off and the same flags either way
+(kvcached PR #598's validation compares a kvcached server with a native one launched identically). It
+is stopped by its own PID: SIGINT to its process group, then SIGKILL after a grace period, and
+what is left of its process tree is reported, so that a test can check that nothing survives.
+The client speaks the OpenAI completions API with the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcached.vllm.api_server.checks import OUR_SPEC
+
+# What must not appear in a healthy server's log (kvcached PR #598's no_error_signatures).
+ERROR_SIGNATURES = re.compile(
+    r"Traceback \(most recent call last\)|\bERROR\b|Exception in|CUDA error|Segmentation fault"
+)
+ACTIVE_LINE = "[kvcached] active:"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    kvcached: bool
+    env: dict[str, str] = field(default_factory=dict)  # KVCACHED_* and friends
+    kv_cache_bytes: int = 32 << 20
+    cpu_offload_bytes: int | None = 64 << 20  # None: no offloading
+    max_model_len: int = 2048
+    extra_args: tuple[str, ...] = ()
+
+
+class Server:
+    """One vLLM API server process group; use as a context manager."""
+
+    def __init__(self, config: ServerConfig, log_path: str | Path, *, python: str = sys.executable) -> None:
+        self.config = config
+        self.log_path = Path(log_path)
+        self.python = python
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.ready_after: float | None = None
+        self.exit_seconds: float | None = None
+        self.left_behind: list[int] = []
+        self._stop_mark = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        c = self.config
+        args = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            c.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(c.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(c.kv_cache_bytes),
+            "--enable-prompt-tokens-details",
+            "--seed",
+            "0",
+        ]
+        if c.cpu_offload_bytes:
+            ktc = {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "cpu_bytes_to_use": c.cpu_offload_bytes,
+                    "spec_name": OUR_SPEC[0],
+                    "spec_module_path": OUR_SPEC[1],
+                },
+            }
+            args += ["--kv-transfer-config", json.dumps(ktc)]
+        return args + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+        env.update(HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1")
+        env["ENABLE_KVCACHED"] = "1" if self.config.kvcached else "0"
+        env.update(self.config.env)
+        return env
+
+    def start(self) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> bool:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(self.url + "/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    self.ready_after = time.monotonic() - self.started_at
+                    return True
+            time.sleep(0.25)
+        return False
+
+    def _processes(self) -> dict[int, Any]:
+        """The server's processes but itself: its process group, found by scanning (so that
+        orphans of a server that died first are found too), and its descendants (in case one
+        left the group), as psutil objects."""
+        import psutil
+
+        assert self.proc is not None
+        out: dict[int, Any] = {}
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == self.proc.pid:
+                    out[p.pid] = p
+        with contextlib.suppress(psutil.Error):
+            out.update((c.pid, c) for c in psutil.Process(self.proc.pid).children(recursive=True))
+        out.pop(self.proc.pid, None)
+        return out
+
+    def worker_pid(self) -> int:
+        """The worker process (the one holding the KV cache): vLLM titles it ``VLLM::Worker...``."""
+        import psutil
+
+        for pid, p in self._processes().items():
+            with contextlib.suppress(psutil.Error):
+                if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name():
+                    return pid
+        raise RuntimeError("no vLLM worker process found under the server")
+
+    @staticmethod
+    def _alive(p: Any) -> bool:
+        import psutil
+
+        try:
+            return bool(p.is_running()) and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def stop(self, grace: float = 90.0) -> None:
+        """SIGINT to the server's process group; SIGKILL after ``grace`` seconds. What is still
+        running 15 s after the server exited is recorded in ``left_behind``, then killed."""
+        import psutil
+
+        if self.proc is None or self.exit_seconds is not None:
+            return
+        self._stop_mark = self.log_path.stat().st_size if self.log_path.exists() else 0
+        tree = self._processes()
+        t0 = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=grace)
+            self.exit_seconds = time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            self.exit_seconds = float("inf")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        deadline = time.monotonic() + 15
+        left: list[Any] = []
+        while time.monotonic() < deadline:
+            left = [p for p in {**tree, **self._processes()}.values() if self._alive(p)]
+            if not left:
+                break
+            time.sleep(0.2)
+        self.left_behind = sorted({p.pid for p in left})
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil checks the process is the one it saw: no recycled pid is hit
+
+    def shm_files(self) -> list[str]:
+        """The server's kvcached KV files still named in /dev/shm (the key starts with its pid)."""
+        from kvcached.vllm.worker.kv_memory import SHM_DIR
+
+        assert self.proc is not None
+        prefix = f"kvcached-kv-{self.proc.pid}-"
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+    def log(self, *, before_stop: bool = False) -> str:
+        data = self.log_path.read_bytes()
+        if before_stop and self._stop_mark:
+            data = data[: self._stop_mark]
+        return data.decode("utf-8", "replace")
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- client -------------------------------------------------------------------------------
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300.0) -> tuple[int, Any]:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+                return r.status, json.loads(raw) if raw else {}
+        except urllib.error.HTTPError as e:
+            return e.code, {"error": e.read().decode("utf-8", "replace")}
+
+    def complete(self, prompt: str, max_tokens: int, *, logprobs: int = 5) -> Completion:
+        t0 = time.perf_counter()
+        status, body = self.post(
+            "/v1/completions",
+            {
+                "model": self.config.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "logprobs": logprobs,
+                "ignore_eos": True,
+            },
+        )
+        seconds = time.perf_counter() - t0
+        if status != 200:
+            return Completion(status, "", (), (), None, seconds)
+        choice = body["choices"][0]
+        lp = choice.get("logprobs") or {}
+        details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+        tops = tuple(tuple(sorted((d or {}).items())) for d in lp.get("top_logprobs") or ())
+        return Completion(
+            status, choice["text"], tuple(lp.get("tokens") or ()), tops, details.get("cached_tokens"), seconds
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        status, body = self.post("/reset_prefix_cache")
+        return status == 200 and body.get("success", True) is not False
+
+
+@dataclass(frozen=True)
+class Completion:
+    status: int
+    text: str
+    tokens: tuple[str, ...]
+    top_logprobs: tuple[tuple[tuple[str, float], ...], ...]
+    cached_tokens: int | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and len(self.tokens) > 0
+
+    def max_logprob_diff(self, other: Completion) -> float:
+        """Largest top-5 logprob difference over positions and tokens both list (inf if the
+        top-5 token sets differ)."""
+        worst = 0.0
+        for a, b in zip(self.top_logprobs, other.top_logprobs, strict=False):
+            da, db = dict(a), dict(b)
+            if set(da) != set(db):
+                return float("inf")
+            worst = max([worst, *(abs(da[t] - db[t]) for t in da)])
+        return worst
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of one process, shared pages it maps included (the KV file is shared)."""
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+# Upstream kvcached PR #598's reproduction settings (no cached blocks kept, no reserved pages), with pages of one
+# 256 KiB block (per layer, the tiny model's) so that a freed block's page really goes.
+REPRO_SETTINGS = {
+    "KVCACHED_MAX_CACHED_TOKENS": "0",
+    "KVCACHED_MAX_RESERVED_PAGES": "0",
+    "KVCACHED_MIN_RESERVED_PAGES": "0",
+    "KVCACHED_PAGE_SIZE_MB": "0.25",
+}
+
+
+def validation_config(model: str, policy: str | None, journal: str | Path | None = None) -> ServerConfig:
+    """The server of kvcached PR #598's validation: native (``policy`` None) or kvcached under ``policy``
+    with the reproduction settings; same KV cache and CPU tier either way."""
+    env: dict[str, str] = {}
+    if policy is not None:
+        env = {**REPRO_SETTINGS, "KVCACHED_LEDGER_POLICY": policy}
+        if journal is not None:
+            env["KVCACHED_LEDGER_JOURNAL"] = str(journal)
+    return ServerConfig(
+        model=model, kvcached=policy is not None, env=env, kv_cache_bytes=64 << 20, cpu_offload_bytes=128 << 20
+    )
+
+
+def validation_prompts(seed: int = 0) -> list[tuple[str, int]]:
+    """Upstream kvcached PR #598's correctness load, scaled to the tiny model: long prompts sharing a prefix
+    (several blocks of it), half of them with one output token (they finish in the step that
+    writes their KV), and unrelated prompts of a few blocks; (prompt, max_tokens) pairs."""
+    from kvcached.testing.tiny_model import corpus
+
+    shared = " ".join(corpus(60, seed=seed + 1))[:2600]
+    out: list[tuple[str, int]] = []
+    for i in range(6):
+        tail = " ".join(corpus(4 + i, seed=seed + 10 + i))
+        out.append((f"{shared} {tail}", 1 if i % 2 else 6))
+    for i in range(4):
+        out.append((" ".join(corpus(12 + 6 * i, seed=seed + 40 + i)), 1 if i % 2 == 0 else 4))
+    return out
+
+
+def kv_resident_bytes(pid: int) -> int:
+    """Resident bytes of kvcached's KV memory in one process: the ``Rss`` of its mappings of
+    kvcached's ``/dev/shm`` KV files (the path stays in smaps after the file is unlinked). Unlike
+    the process's whole RSS, this moves only with KV pages, not with the allocator's other
+    buffers, which grow with the first large batches and are never given back."""
+    total = 0
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: range perms ... path
+                inside = "/dev/shm/kvcached-kv-" in line
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total

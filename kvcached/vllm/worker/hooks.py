@@ -1,0 +1,56 @@
+"""The worker's patches: vLLM's KV cache tensors made on kvcached pages.
+
+``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) is where a worker makes its KV cache; its
+replacement returns the same views over kvcached's range (``kv_memory.allocate``), and a refusal
+(a layout kvcached cannot serve) is logged as one ``[kvcached] refused:`` line before vLLM
+reports that the engine failed to start. Model-runner modules that imported the function by name
+before the plugin ran hold vLLM's; their names are rebound to the same replacement.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import KvcachedError
+from ...settings import Settings
+from . import kv_memory
+
+log = logging.getLogger("vllm.kvcached")
+_replacement: Callable[..., Any] | None = None  # the wrapper of vllm.v1.worker.utils' function
+
+
+def wrap_allocate_kv_cache(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+    global _replacement
+
+    @functools.wraps(original)
+    def allocate_kv_cache(
+        kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None = None
+    ) -> Any:
+        try:
+            return kv_memory.allocate(
+                kv_cache_config,
+                device,
+                layout,
+                kernel_block_sizes,
+                page_bytes=settings.page_bytes,
+                backend=settings.backend,
+            )
+        except KvcachedError as e:
+            log.error("[kvcached] refused: %s", str(e).removeprefix("kvcached: "))
+            raise
+
+    _replacement = allocate_kv_cache
+    allocate_kv_cache.__kvcached_original__ = original  # type: ignore[attr-defined]
+    return allocate_kv_cache
+
+
+def rebind_allocate_kv_cache(held: Callable[..., Any], _settings: Settings) -> Callable[..., Any] | None:
+    """A runner module's name for ``allocate_kv_cache``: rebound if it holds vLLM's function."""
+    ours = _replacement
+    if ours is None or held is not getattr(ours, "__kvcached_original__", None):
+        return None
+    # A second wrapper object, so that the sentinel names this patch on this module's name.
+    return functools.wraps(ours)(lambda *args, **kwargs: ours(*args, **kwargs))

@@ -1,0 +1,131 @@
+"""The patch table against the vLLM installed: every target there, and a moved one refused.
+
+``kvcached.vllm.patches`` declares each vLLM attribute kvcached changes and the names it relies
+on beyond public methods (``RELIED_ON``, used by ``engine_core.pool_seam``). These fail, with a
+message that says what changed and where kvcached depends on it, when a vLLM release renames a
+target, a private name, or stops handing out the head of its free queue.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+vllm_block_pool = pytest.importorskip("vllm.v1.core.block_pool")
+pytestmark = pytest.mark.vllm
+
+import vllm  # noqa: E402
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue  # noqa: E402
+
+from kvcached.backends.host import HostBackend  # noqa: E402
+from kvcached.errors import ConfigError, KvcachedError  # noqa: E402
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
+from kvcached.vllm import patches  # noqa: E402
+from kvcached.vllm.engine_core.block_pool import install_page_aware_pool  # noqa: E402
+
+PAGE = 64 * 1024
+WHERE = "kvcached/vllm/patches.py (RELIED_ON) and engine_core/pool_seam.py depend on it"
+
+
+def pool(num_blocks: int = 16):
+    return vllm_block_pool.BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16)
+
+
+def test_the_private_names_kvcached_uses_are_on_vllms_block_pool() -> None:
+    p = pool()
+    for name in ("_reuse_watchers", "_notify_reuse"):
+        assert name in patches.by_name("pool seam").attrs
+        assert hasattr(p, name), f"vLLM {vllm.__version__}'s BlockPool has no {name}: {WHERE}"
+    assert isinstance(p._reuse_watchers, dict), f"BlockPool._reuse_watchers is no longer a dict: {WHERE}"
+    params = list(inspect.signature(p._notify_reuse).parameters)
+    assert params == ["blocks"], f"BlockPool._notify_reuse takes {params}, not (blocks): {WHERE}"
+    patches.check_object(p, patches.by_name("pool seam"))  # and the engine build's check agrees
+
+
+def test_vllms_get_new_blocks_hands_out_the_head_of_its_free_queue() -> None:
+    """The seam: blocks moved to the head of the free queue are the ones handed out, in order."""
+    p = pool()
+    chosen = [p.blocks[9], p.blocks[3], p.blocks[12]]
+    q = p.free_block_queue
+    for b in chosen:
+        q.remove(b)
+    q.prepend_n(chosen)
+    got = vllm_block_pool.BlockPool.get_new_blocks(p, 3)
+    assert [b.block_id for b in got] == [9, 3, 12], (
+        f"vLLM {vllm.__version__}'s BlockPool.get_new_blocks no longer pops the head of free_block_queue: {WHERE}"
+    )
+
+
+def _manager(num_blocks: int = 16) -> KVCacheManager:
+    geo = KVGeometry(num_blocks=num_blocks, block_bytes=16 * 1024, page_bytes=PAGE)
+    return KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE))
+
+
+def test_a_block_pool_without_a_private_name_is_refused_at_install(monkeypatch) -> None:
+    monkeypatch.delattr(vllm_block_pool.BlockPool, "_notify_reuse")
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool()))
+    with pytest.raises(ConfigError) as e:
+        install_page_aware_pool(scheduler, _manager())
+    msg = str(e.value)
+    assert "\n" not in msg and "vllm.v1.core.block_pool.BlockPool._notify_reuse is missing" in msg
+    assert f"this vLLM ({vllm.__version__})" in msg
+    assert patches.SENTINEL not in vars(scheduler.kv_cache_manager.block_pool)  # nothing was changed
+
+
+def test_a_vllm_that_hands_out_other_blocks_fails_loudly(monkeypatch) -> None:
+    def popright_n(self, n):  # a vLLM that takes from the tail
+        blocks = self.get_all_free_blocks()[-n:]
+        for b in blocks:
+            self.remove(b)
+        return blocks
+
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "popleft_n", popright_n)
+    p = pool()
+    install_page_aware_pool(SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=p)), _manager())
+    with pytest.raises(KvcachedError, match="did not hand out the head of its free queue"):
+        p.get_new_blocks(2)
+
+
+def test_every_target_of_the_patch_table_is_in_this_vllm() -> None:
+    """Process-wide targets are checked by the installer itself; the objects' targets on vLLM's
+    classes (an instance has what its class has, and the per-instance names are checked at build)."""
+    found = {p.name for p, _ in patches.check(p for p in patches.PATCHES if not p.loaded_only)}
+    assert {"startup checks", "kvcached under the scheduler", "KV cache on kvcached pages"} <= found
+    for p in patches.PATCHES:
+        if p.how is patches.How.ADDED:
+            continue
+        if p.loaded_only and p.optional:
+            continue  # V2-runner names: present only where that runner is used
+        owner = patches._owner(_eager(p))
+        assert owner is not None, p.name
+        for attr, target in zip(p.attrs, p.targets(), strict=True):
+            assert hasattr(owner, attr), f"vLLM {vllm.__version__} has no {target} ({p.name})"
+        assert vllm.__version__ in p.versions, f"{p.name} is not declared for vLLM {vllm.__version__}"
+    # What is only read is partly instance state: looked for on a real pool and its queue.
+    live = pool()
+    patches.check_object(live, patches.by_name("pool seam"))
+    patches.check_object(live.free_block_queue, patches.by_name("free queue seam"))
+    assert type(live.free_block_queue).__module__ == patches.by_name("free queue seam").module
+
+
+def _eager(p: patches.Patch) -> patches.Patch:
+    """The patch as if its module were loaded (a runner module is imported here to look)."""
+    import msgspec
+
+    return msgspec.structs.replace(p, loaded_only=False)
+
+
+def test_a_missing_target_is_refused_in_one_line_before_anything_changes(monkeypatch) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    init = Scheduler.__init__
+    monkeypatch.delattr(vllm_block_pool.BlockPool, "get_new_blocks")  # an engine-build target, checked later
+    monkeypatch.delattr("vllm.engine.arg_utils.EngineArgs.create_engine_config")
+    with pytest.raises(ConfigError) as e:
+        patches.install(patches.When.PLUGIN_LOAD, None)
+    msg = str(e.value)
+    assert "\n" not in msg and "vllm.engine.arg_utils.EngineArgs.create_engine_config is missing" in msg
+    assert f"({vllm.__version__})" in msg
+    assert Scheduler.__init__ is init and patches.installed() == []  # checked first: nothing installed

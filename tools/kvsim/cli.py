@@ -1,0 +1,244 @@
+"""``kvsim``: run, reproduce and shrink seeded simulations of vLLM + kvcached.
+
+``kvsim run --seeds 1-500 [--jobs N] [--json]`` runs each seed under every variant (a line per
+seed) and ends with the counts per check and variant, how often ``legacy`` trips each check (a
+check that never does is suspect) and what the campaign covered. ``kvsim repro SEED [--variant V]``
+prints the case and every failing check with its step and block. ``kvsim shrink SEED -o DIR``
+reduces a failing seed and writes its journal, expected report and case (see ``shrink``).
+
+A seed repeats exactly: the case is drawn from the seed alone, nothing reads the clock, and the
+hash seed is pinned (the command re-executes itself with ``PYTHONHASHSEED=0`` if it is not, since
+vLLM hands some ids over in sets of strings). Bad arguments are one line and exit 2. Exit 1 when
+a shipped variant (``ledger``) fails a seed, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, NoReturn
+
+VARIANTS = ("ledger", "legacy", "never-unmap", "vllm")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        self.exit(2, f"kvsim: {message} (see kvsim --help)\n")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``1-500``, ``3,7,9`` or ``1-10,20``: seeds >= 0, at most 1,000,000 of them."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise argparse.ArgumentTypeError(f"{text!r}: give seeds as 1-500, 3,7,9 or 1-10,20")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a or len(seeds) + b - a + 1 > 1_000_000:
+            raise argparse.ArgumentTypeError(f"{text!r}: an empty or too large range (at most 1,000,000 seeds)")
+        seeds += range(a, b + 1)
+    return seeds
+
+
+def _seed(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a seed is a whole number >= 0")
+    return int(text)
+
+
+def _jobs(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 64 processes")
+    return int(text)
+
+
+def _runs(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 100_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 100000 runs")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="kvsim", description="Seeded simulation of vLLM's scheduler and connector over kvcached.")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="run seeds under every variant and count what fails")
+    r.add_argument("--seeds", type=parse_seeds, required=True, help="1-500, 3,7,9 or 1-10,20")
+    r.add_argument("--jobs", type=_jobs, default=1, help="processes (default 1)")
+    r.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    r.add_argument("--json", action="store_true", help="one JSON object per seed, then the summary")
+    p = sub.add_parser("repro", help="the case of a seed and every check it fails, with step and block")
+    p.add_argument("seed", type=_seed)
+    p.add_argument("--variant", choices=VARIANTS, help="one variant (default: all)")
+    p.add_argument("--json", action="store_true")
+    s = sub.add_parser("shrink", help="reduce a failing seed; write its journal and a test case")
+    s.add_argument("seed", type=_seed)
+    s.add_argument("-o", "--output", required=True, metavar="DIR", help="where to write (traces/ for a golden test)")
+    s.add_argument(
+        "--variant", choices=VARIANTS, help="default: the first failing of ledger, never-unmap, vllm, legacy"
+    )
+    s.add_argument("--check", help="the check to keep failing (default: the first the variant fails)")
+    s.add_argument("--max-runs", type=_runs, default=150, help="runs of candidate cases at most (default 150)")
+    return ap
+
+
+def _pin_hash_seed(argv: Sequence[str]) -> None:
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        os.execve(sys.executable, [sys.executable, "-m", "kvsim.cli", *argv], env)
+
+
+def _quiet() -> None:
+    # vLLM logs a line per connector it builds; a campaign builds thousands.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def _run_seed(seed: int, variants: tuple[str, ...]) -> list[Any]:
+    from kvcached.vllm.testing.sim.draw import draw
+    from kvcached.vllm.testing.sim.execute import run_case
+
+    case = draw(seed)
+    return [run_case(case, v) for v in variants]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvcached.vllm.testing.sim.result import CHECKS, Coverage
+
+    variants = tuple(v.strip() for v in args.variants.split(","))
+    if not variants or any(v not in VARIANTS for v in variants):
+        print(f"kvsim: --variants {args.variants!r}: choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    fails: dict[str, dict[str, int]] = {v: {} for v in variants}
+    failed_seeds: dict[str, int] = dict.fromkeys(variants, 0)
+    cov = Coverage()
+    shipped_failed = False
+
+    def report(results: list[Any]) -> None:
+        nonlocal cov, shipped_failed
+        for r in results:
+            for c in r.checks():
+                fails[r.variant][c] = fails[r.variant].get(c, 0) + 1
+            failed_seeds[r.variant] += not r.ok
+            shipped_failed |= r.variant == "ledger" and not r.ok
+        cov = cov + results[0].coverage
+        if args.json:
+            print(json.dumps({"seed": results[0].seed, "results": msgspec.to_builtins(results)}), flush=True)
+        else:
+            verdicts = ", ".join(f"{r.variant} {'ok' if r.ok else '+'.join(r.checks())}" for r in results)
+            c = results[0].coverage
+            print(
+                f"seed {results[0].seed:5}: {verdicts} | steps {c.steps}, preempt {c.preemptions}, "
+                f"abort {c.aborts} ({c.aborts_in_flight} in flight), reset {c.resets}, shrink {c.shrinks}",
+                flush=True,
+            )
+
+    if args.jobs == 1:
+        for seed in args.seeds:
+            report(_run_seed(seed, variants))
+    else:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            for results in ex.map(_run_seed, args.seeds, [variants] * len(args.seeds), chunksize=1):
+                report(results)
+    n = len(args.seeds)
+    summary = {
+        "seeds": n,
+        "failed_seeds": failed_seeds,
+        "fails": fails,
+        "legacy_trips": {c: fails.get("legacy", {}).get(c, 0) for c in CHECKS} if "legacy" in variants else {},
+        "coverage": msgspec.to_builtins(cov),
+    }
+    if args.json:
+        print(json.dumps({"summary": summary}))
+    else:
+        print(f"\n{n} seeds; coverage (first variant): {cov.preemptions} preemptions, {cov.aborts} aborts "
+              f"({cov.aborts_in_flight} with jobs in flight), {cov.resets} resets, {cov.shrinks} shrinks, "
+              f"{cov.stores} stores, {cov.loads} loads, {cov.steps} steps")
+        for v in variants:
+            per = ", ".join(f"{c} {k}" for c, k in sorted(fails[v].items())) or "nothing failed"
+            print(f"  {v:11}: {failed_seeds[v]} of {n} seeds failed; {per}")
+        if "legacy" in variants:
+            never = [c for c in CHECKS if not fails["legacy"].get(c)]
+            print(f"  checks legacy never tripped in this campaign: {', '.join(never) or 'none'}")
+    return 1 if shipped_failed else 0
+
+
+def cmd_repro(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvcached.vllm.testing.sim.draw import draw
+    from kvcached.vllm.testing.sim.execute import run_case
+
+    case = draw(args.seed)
+    results = [run_case(case, v) for v in ([args.variant] if args.variant else VARIANTS)]
+    if args.json:
+        print(json.dumps({"case": msgspec.to_builtins(case), "results": msgspec.to_builtins(results)}))
+    else:
+        print(f"seed {case.seed}: {case.describe()}")
+        print("config: " + json.dumps(msgspec.to_builtins(case.config)))
+        print("workload:")
+        for i, a in enumerate(case.actions):
+            print(f"  {i:3} {a!r}")
+        for r in results:
+            print(r.line())
+            for f in r.failures:
+                print(f"    {f.line()}")
+    return 1 if any(r.variant == "ledger" and not r.ok for r in results) else 0
+
+
+def cmd_shrink(args: argparse.Namespace) -> int:
+    from kvcached.vllm.testing.sim.draw import draw
+    from kvcached.vllm.testing.sim.execute import run_case
+    from kvcached.vllm.testing.sim.shrink import shrink, write_case
+
+    case = draw(args.seed)
+    order = [args.variant] if args.variant else ["ledger", "never-unmap", "vllm", "legacy"]
+    for variant in order:
+        res = run_case(case, variant)
+        checks = res.checks()
+        if args.check:
+            if args.check in checks:
+                break
+        elif checks:
+            break
+    else:
+        what = f"check {args.check}" if args.check else "any check"
+        where = ", ".join(order)
+        print(f"kvsim: seed {args.seed} does not fail {what} under {where}: nothing to shrink", file=sys.stderr)
+        return 2
+    check = args.check or checks[0]
+    print(f"seed {args.seed}: shrinking {check} under {variant}: {case.describe()}")
+    rep = shrink(case, variant, check, budget=args.max_runs, progress=print)
+    paths = write_case(rep, Path(args.output))
+    print(f"after {rep.runs} runs: {rep.case.describe()}")
+    for f in rep.result.failures:
+        print(f"    {f.line()}")
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    _pin_hash_seed(argv)
+    _quiet()
+    try:
+        if args.output if args.cmd == "shrink" else False:
+            out = Path(args.output)
+            if out.exists() and not out.is_dir():
+                print(f"kvsim: -o {out}: not a directory", file=sys.stderr)
+                return 2
+        return {"run": cmd_run, "repro": cmd_repro, "shrink": cmd_shrink}[args.cmd](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
