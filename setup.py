@@ -38,8 +38,8 @@ def _ext_modules() -> list[object]:
         from mypyc.build import mypycify
 
         return list(mypycify(compiled_sources(), opt_level="3"))
-    except Exception as exc:  # no compiler or no mypyc: the pure-Python ledger is complete
-        print(f"kvcached: building the pure-Python ledger ({exc})", file=sys.stderr)
+    except (Exception, SystemExit) as exc:  # mypyc's type check exits on an error: pure Python is complete
+        print(f"kvcached: building the pure-Python ledger ({exc!r})", file=sys.stderr)
         return []
 
 

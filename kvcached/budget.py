@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
-from .errors import ConfigError, KvcachedError
+from .errors import ConfigError, ServiceError
 from .settings import BUDGET_NAME
 
 NAME = BUDGET_NAME  # as KVCACHED_BUDGET takes it (settings.py)
@@ -42,7 +42,7 @@ _VERSION = 1
 _tags = itertools.count(1)
 
 
-class BudgetError(KvcachedError):
+class BudgetError(ServiceError):
     """The budget's directory or file cannot be used (another user's, a link, not a budget)."""
 
 

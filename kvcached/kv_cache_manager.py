@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .backends.base import Backend, PageStillMappedError
-from .errors import BackendError, ConfigError, KvcachedError
+from .errors import BackendError, CapacityError, ConfigError, ConsistencyError
 from .ledger.events import BlockAlloc, BlockFree, Header, Policy, PoolGeometry
 from .ledger.ledger import Ledger
 from .ledger.recorder import Recorder
@@ -37,11 +37,11 @@ class Layout(enum.Enum):
     PER_LAYER = "per-layer"
 
 
-class OutOfBlocksError(KvcachedError):
+class OutOfBlocksError(CapacityError):
     """``alloc(n)`` asked for more blocks than ``available_size()``."""
 
 
-class BlockStateError(KvcachedError):
+class BlockStateError(ConsistencyError):
     """A block freed twice, or a block id outside the pool."""
 
 
@@ -181,13 +181,20 @@ class KVCacheManager:
             page_cost=geometry.page_bytes * geometry.regions * (1 + len(self.replicas)),
             budget=budget,
         )
+        # Invariant: num_allocated == sum(_allocated) == sum(_used), and _used[p] counts the
+        # blocks of page p with _allocated set.
         self._allocated = bytearray(geometry.num_blocks)
         self._used = [0] * geometry.num_pages  # allocated blocks per page
+        # Invariant: the keys are the allocator's pages in use that have free blocks (a full page
+        # has no entry, nor a page not in use); a page in use has as blocks its allocated ones
+        # and its _free_in list, disjoint, and a page not in use has no block allocated.
         self._free_in: dict[int, list[int]] = {}  # in-use page -> its free blocks
         # In-use pages with free blocks, lowest first (stale entries are skipped): filling low
         # pages first keeps the high ones empty, so that they can be given back.
+        # Invariant: every page with a non-empty _free_in list is in _partial.
         self._partial: list[int] = []
-        self._partial_free = 0  # sum of len(self._free_in[p])
+        # Invariant: _partial_free == sum(len(free) for free in _free_in.values()).
+        self._partial_free = 0
         self.num_allocated = 0
         self._bytes: dict[int, torch.Tensor] = {}
         self._num_blocks = geometry.num_blocks
@@ -400,7 +407,8 @@ class KVCacheManager:
             self.allocator.release_pages(emptied)
 
     def drain_releasable(self) -> None:
-        """After an event recorded outside the manager (the bridge's): give back the pages it let go."""
+        """After events recorded outside the manager (the engine drains at the end of each
+        scheduler call): give back the pages they let go."""
         self.allocator.drain_releasable()
 
     # --- memory limit -------------------------------------------------------------------------

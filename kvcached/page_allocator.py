@@ -12,8 +12,9 @@ It learns which pages the ledger lets go one way: by draining the ledger's queue
 became releasable (``Ledger.take_fresh_releasable``), as vLLM's scheduler drains its block
 pool's KV event queue (``BlockPool.take_events``) instead of being called back. It drains at
 the points where its view and the ledger's agree, so that a releasable page is a reserved one:
-after each event recorded outside it (the bridge calls ``drain_releasable``), when the manager's
-free has emptied pages, and when the limit changes. It is never called from inside
+at the end of each scheduler call, after the events recorded outside it (the engine's wrapper
+of the call calls ``drain_releasable``), when the manager's free has emptied pages, and when
+the limit changes. It is never called from inside
 ``Recorder.emit``, so its own events (``PageUnmapped``) are never emitted from inside another.
 
 A memory limit lowered below what is mapped starts a *shrink*: no page is mapped, reserved
@@ -43,7 +44,7 @@ from typing import Protocol
 import msgspec
 
 from .backends.base import PageStillMappedError
-from .errors import BackendError, KvcachedError
+from .errors import BackendError, CapacityError, KvcachedError
 from .ledger.events import MemoryLimit, PageMapped, PageUnmapped
 from .ledger.recorder import Recorder
 from .settings import format_size as format_bytes
@@ -52,7 +53,7 @@ _NONE: frozenset[int] = frozenset()
 log = logging.getLogger("kvcached.page_allocator")
 
 
-class OutOfPagesError(KvcachedError):
+class OutOfPagesError(CapacityError):
     """No page can be mapped: every page is in use, or the memory limit is reached."""
 
 
@@ -140,10 +141,14 @@ class PageAllocator:
         self.page_cost = page_cost
         self.budget = budget
         self.overdrafts = 0  # pages mapped beyond the budget (see the module docstring)
+        # The three states of a page (module docstring). Invariant: _free, _reserved and _in_use
+        # partition range(num_pages), and _free holds no page twice; the backend has exactly the
+        # pages of _reserved | _in_use mapped.
         self._free = list(range(self.num_pages))  # heap: low pages first, so the range stays dense
         self._reserved: set[int] = set()
         self._in_use: set[int] = set()
         # Reserved pages the ledger lets go: the only pages _trim may unmap.
+        # Invariant: _goable <= _reserved (a page handed out or unmapped leaves it).
         self._goable: set[int] = set()
         # Goable pages whose unmap failed with the page still mapped (each logged once), and
         # whether the last trim left any of them to try again.
@@ -192,7 +197,7 @@ class PageAllocator:
         """Whether ``page`` is one of the ``pages_available()`` pages that ``alloc_page`` would
         hand out now. The manager asks for the pool's last page, which holds fewer blocks when
         the block count is not a multiple of blocks per page: counting it as a full page made
-        vLLM's scheduler ask for blocks that do not exist (issue 13, item 1)."""
+        vLLM's scheduler ask for blocks that do not exist."""
         if self.shrinking:
             return page in self._reserved and page not in self._goable
         if page in self._reserved:
@@ -306,8 +311,8 @@ class PageAllocator:
 
     def drain_releasable(self) -> None:
         """Learn from the ledger which reserved pages may go now, and give back what the limits
-        ask. Call it after recording an event that the allocator did not make (the bridge does,
-        after each of its events): the ledger queues the pages an event lets go until then."""
+        ask. Call it after recording events that the allocator did not make (the engine does, at
+        the end of each scheduler call): the ledger queues the pages events let go until then."""
         fresh = self._drain()
         if fresh or self._unmap_retry:
             self._trim()

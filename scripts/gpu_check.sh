@@ -4,7 +4,7 @@
 # a CUDA torch, cuda-python (cuda-bindings) and pytest; needs no network and no msgspec. Takes well under a
 # minute on an H200; each step has its own timeout so a hang cannot eat the device budget. The gpu tests include
 # tests/gpu/test_step_channel_cuda.py: tensor parallel's CUDA path (two spawned rank processes, each on its own VMM
-# range, following the scheduler's page decisions carried with each step; issue 17).
+# range, following the scheduler's page decisions carried with each step).
 #
 # pytest runs with a throwaway ini and --noconftest on purpose: the project's pyproject options (asyncio_mode,
 # plugins) and any conftest the CPU suite grows must not be able to break or skip this run.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM 0.33.0's own tests as kvcached's conformance suite (issue 19): vLLM's tests of its block
+# vLLM 0.33.0's own tests as kvcached's conformance suite: vLLM's tests of its block
 # pool, KV cache managers, prefix caching, scheduler and OffloadingConnector, run in .venv-vllm
 # twice: on vLLM alone, then with kvcached's page-aware pool and bridge under every BlockPool and
 # Scheduler they build (tests/vllm_upstream/kvcached_conformance.py; known_failures.txt beside

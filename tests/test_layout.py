@@ -65,7 +65,7 @@ def test_the_ledger_core_imports_only_msgspec_and_the_standard_library() -> None
     edges = import_graph.graph(typing=True)
     core = import_graph.reachable(edges, PURE_CORE)
     ours = {m for m in core if m in edges}
-    assert ours <= set(PURE_CORE) | {"kvcached", "kvcached.errors"}, ours - set(PURE_CORE)
+    assert ours <= set(PURE_CORE) | {"kvcached", "kvcached.errors", "kvcached.version"}, ours - set(PURE_CORE)
     third_party = {m for m in core if m not in edges} - set(sys.stdlib_module_names)
     assert third_party == {"msgspec"}
 
@@ -107,3 +107,23 @@ def test_optional_dependencies_are_imported_only_by_the_parts_that_declare_them(
         assert importers, f"nothing imports {dep}: drop it from OPTIONAL_USERS"
         strays = {m for m in importers if not m.startswith(users)}
         assert not strays, f"{dep} is imported by {sorted(strays)}, which do not declare it"
+
+
+def test_the_public_face_is_small_and_loads_nothing_until_asked() -> None:
+    code = (
+        "import sys, kvcached, kvcached.ledger;"
+        "assert 'kvcached.kv_cache_manager' not in sys.modules and 'kvcached.settings' not in sys.modules;"
+        "assert sorted(dir(kvcached)) == sorted(kvcached.__all__);"
+        "from kvcached import KVCacheManager, KVGeometry, KvcachedError, Ledger, Settings, __version__;"
+        "assert KVCacheManager.__module__ == 'kvcached.kv_cache_manager' and Ledger is kvcached.ledger.Ledger;"
+        "import importlib.metadata as md; assert __version__ == md.version('kvcached');"
+        "from kvcached.errors import ConfigError; assert issubclass(ConfigError, KvcachedError)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_version_is_written_once() -> None:
+    """pyproject.toml names it; everything else reads the installed metadata (kvcached.version)."""
+    literal = '"0.1.0.dev0"'
+    holders = [p for p in (ROOT / "kvcached").rglob("*.py") if literal in p.read_text()]
+    assert holders == [], holders

@@ -18,7 +18,8 @@ import importlib
 # ledger's ``tables`` and ``queries`` go with ``ledger``: its hot handlers read the tables as
 # native attributes only if those are compiled with it. The rest is what runs on vLLM's
 # scheduler step (the manager, its page allocator, the page-aware pool, the bridge, the
-# recorder): issue 18 measured them at about half of kvcached's cost on the step.
+# recorder): measured with callgrind (benchmarks/bench_bridge.py), about half of kvcached's
+# cost on the step.
 COMPILED_MODULES: tuple[str, ...] = (
     "kvcached.ledger.ledger",
     "kvcached.ledger.checks",

@@ -110,7 +110,7 @@ class Ledger(LedgerQueries):
     # The handlers below are the scheduler's hot path (budget: about 1 us per free or report on
     # a 2-core machine) and replay's inner loop, so they bind locals and inline the pin
     # bookkeeping; the rare paths (violations, I4) live in ``checks``. They are written for
-    # mypyc as much as for CPython (issue 18 measured each change with callgrind): a local typed
+    # mypyc as much as for CPython (each change measured with callgrind): a local typed
     # ``int`` is a native integer, so an id that is only a dict key or a stored value is left
     # untyped (``_fields`` hands it over as the int object msgspec decoded), and the event index
     # stored per block is boxed once per event (``ix``); typed ``int``, each use would box it

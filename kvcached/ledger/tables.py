@@ -14,7 +14,7 @@ and tests/test_ledger.py checks that each field below is kept, fixed or rebuilt.
 the class has the few reads that the ledger, the checks and the live view share (``build_of``,
 ``request_name``, ``jobs_on``) and the one write the checks make (``violate``). It is compiled
 by mypyc together with ``ledger.py`` (setup.py): a native class, so ``t.jobs`` in a compiled
-handler is a load at a fixed offset, as ``self._jobs`` was before.
+handler is a load at a fixed offset, as an attribute of the ledger itself would be.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .findings import InvariantId, Violation
 # is its request's entry of ``req_jobs``. A list, not an object, because it is made and dropped
 # on the hot path (a slotted object would cost a third of JobBuilt's budget); ``reported`` is
 # counted up in place. ``pages`` is the sorted list JobBuilt made (a tuple of it cost ~75
-# instructions an event of compiled replay, issue 18).
+# instructions an event of compiled replay, by callgrind).
 JobState = list[Any]
 
 
@@ -55,7 +55,7 @@ class LedgerTables:
 
     # --- per pool, per block ---
     # Flags are lists of 0 and 1, not bytearrays: mypyc indexes a list natively and a bytearray
-    # through the generic protocol, boxing the index (issue 18: a fifth of BlockAlloc's cost).
+    # through the generic protocol, boxing the index (a fifth of BlockAlloc's cost, by callgrind).
     alloc: list[list[int]]  # 1 while allocated
     bepoch: list[list[int]]  # its page's epoch when it was last allocated (written); -1: never
     balloc_ix: list[list[int]]  # event index of its last alloc (-1: none), for witnesses
@@ -70,7 +70,7 @@ class LedgerTables:
     pins: list[int]  # job pins + grace + window holds on it (derived)
     # Outstanding jobs over it (derived). Which jobs those are is not indexed: ``jobs_on`` finds
     # them in ``jobs``, for the slow paths that ask (why, a violation's witness, kvctl pins). A
-    # page -> jobs index cost a dict update and a list per job page on the hot path (issue 18).
+    # page -> jobs index cost a dict update and a list per job page on the hot path.
     jobpins: list[int]
 
     # --- grace and window holds ---

@@ -32,7 +32,7 @@ import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from kvcached.errors import ConfigError, KvcachedError
+from kvcached.errors import ConfigError, KvcachedError, ServiceError
 from kvcached.ledger.events import Event
 from kvcached.service.messages import (
     LEN,
@@ -63,7 +63,7 @@ log = logging.getLogger("kvcached.service.live")
 SOCKET_ENV: Final = "KVCACHED_LEDGER_SOCKET"
 
 
-class LiveViewError(KvcachedError):
+class LiveViewError(ServiceError):
     """The live view cannot be reached or answered with an error (one line, for kvctl)."""
 
 

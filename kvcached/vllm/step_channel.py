@@ -29,13 +29,13 @@ from __future__ import annotations
 import threading
 from typing import Final
 
-from ..errors import KvcachedError
+from ..errors import ConsistencyError
 
 # The attribute of vLLM's ``SchedulerOutput`` that carries a batch (declared in ``patches``).
 ATTR: Final = "kvcached_page_ops"
 
 
-class ChannelError(KvcachedError):
+class ChannelError(ConsistencyError):
     """A worker received page decisions out of order, or for another page geometry."""
 
 

@@ -121,5 +121,6 @@ def test_a_sigkilled_engines_share_is_mapped_by_the_other(served: dict[str, Any]
 
 def test_no_error_in_the_engines_logs(served: dict[str, Any]) -> None:
     for name, log in served["run"].logs.items():
-        bad = [line for line in log.splitlines() if ERROR_SIGNATURES.search(line)]
-        assert not bad, (name, bad[:5])
+        lines = log.splitlines()
+        bad = [i for i, line in enumerate(lines) if ERROR_SIGNATURES.search(line)]
+        assert not bad, (name, "\n".join(lines[bad[0] : bad[0] + 25]))  # the first error, with its traceback

@@ -40,7 +40,7 @@ def engine(close: bool) -> tuple[SimpleNamespace, KVCacheManager, list]:  # type
 
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None,
                                 schedule=schedule)
-    bridge = install_bridge(scheduler, m.recorder, drain=m.drain_releasable, offloading=False)
+    bridge = install_bridge(scheduler, m.recorder, offloading=False)
     wrapper = install_page_aware_pool(scheduler, m)
     if close:
         engine = Engine(m.recorder, manager=m, pool=wrapper, bridge=bridge, service=None)

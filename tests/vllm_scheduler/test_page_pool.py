@@ -31,7 +31,7 @@ def setup(num_blocks: int = 32, caching: bool = True, *, bridge: bool = False, *
     m = KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE))
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None)
     if bridge:  # as an engine without a KV connector has it (engine_core.engine.assemble)
-        install_bridge(scheduler, m.recorder, drain=m.drain_releasable, offloading=False)
+        install_bridge(scheduler, m.recorder, offloading=False)
     wrapper = install_page_aware_pool(scheduler, m, **kw)
     return pool, m, wrapper
 

@@ -101,7 +101,7 @@ class Installer:
         geo = self._geometry(pool)
         manager = KVCacheManager.standalone(geo, HostBackend(page_bytes=geo.page_bytes))
         holder = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None)
-        install_bridge(holder, manager.recorder, drain=manager.drain_releasable, offloading=False)
+        install_bridge(holder, manager.recorder, offloading=False)
         self._track(install_page_aware_pool(holder, manager))
         self.counts["other"] += 1
 
@@ -125,7 +125,7 @@ class Installer:
         from kvcached.kv_cache_manager import KVCacheManager
 
         manager = KVCacheManager.standalone(geo, HostBackend(page_bytes=geo.page_bytes))
-        install_bridge(scheduler, manager.recorder, drain=manager.drain_releasable, offloading=False)
+        install_bridge(scheduler, manager.recorder, offloading=False)
         self._track(install_page_aware_pool(scheduler, manager))
 
     def _track(self, wrapper: Any) -> None:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from kvcached.errors import KvcachedError
+from kvcached.errors import TraceError
 from kvcached.ledger import files, segments
 from kvcached.ledger.events import Event, Header, Policy
 from kvcached.ledger.journal import TornTail
@@ -36,7 +36,7 @@ from kvcached.ledger.state import LedgerSnapshot
 PROGRESS_MIN_BYTES: Final = 1 << 20
 
 
-class ReplayError(KvcachedError):
+class ReplayError(TraceError):
     """A problem kvreplay itself found in its input (a snapshot, an option for this trace)."""
 
 

@@ -45,7 +45,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ...errors import ConfigError, KvcachedError
+from ...errors import ConfigError, ConsistencyError
 from ...kv_cache_manager import KVCacheManager, OutOfBlocksError
 from .. import patches
 from . import pool_seam
@@ -54,7 +54,7 @@ from .cached_blocks import CachedBlocks
 log = logging.getLogger("kvcached.vllm.engine_core")
 
 
-class PoolAgreementError(KvcachedError):
+class PoolAgreementError(ConsistencyError):
     """kvcached's manager and vLLM's block pool disagree on a block: raised by the call that
     would make them disagree (or hand a block out twice), before either side changes."""
 

@@ -24,8 +24,10 @@ pool) for ``PrefixCacheReset``, so that a reset is recorded before the frees it 
 hits; an
 engine without a KV connector gets a bridge of that call alone (``offloading=False``). Each
 event has one source: these, the bridge's; blocks, the manager's; pages, the allocator's.
-After each event the bridge lets the allocator drain the pages it released
-(``KVCacheManager.drain_releasable``): the recorder calls nobody back.
+The bridge only records: the allocator learns which pages the events released when the
+engine's wrapper of the scheduler call drains it, once, at the end of the call
+(``scheduler_calls``), as vLLM's ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a
+step; the recorder calls nobody back.
 
 vLLM keeps one block pool for all KV groups (a block id names the same slot in every group's
 tensors), so the ledger sees a single pool, 0.
@@ -113,14 +115,12 @@ class Bridge:
         *,
         workers: int,
         windows: frozenset[int],
-        drain: Callable[[], None] | None = None,
     ) -> None:
         self.connector = connector  # None: no KV connector, only the prefix-cache reset
         self.recorder = recorder
         self._ledger = recorder.ledger
         self.workers = workers
         self.windows = windows
-        self._drain = drain
         self.build = 0
         self._req_ids: dict[str, int] = {}
         self._next_req = 0
@@ -144,11 +144,6 @@ class Bridge:
 
     def _emit(self, ev: Event) -> None:
         self.recorder.emit(ev)
-        # After the emit, never inside it; and only when the event let a page go: the drain
-        # (manager -> allocator -> ledger) does nothing otherwise, and this runs for every
-        # event on vLLM's scheduler step (about 35 a step at 256 running requests).
-        if self._drain is not None and self._ledger.has_fresh_releasable:
-            self._drain()
 
     # --- the wrapped calls --------------------------------------------------------------------
 
@@ -162,7 +157,7 @@ class Bridge:
             # Preempted between steps (``Scheduler.reset_prefix_cache(reset_running_requests=
             # True)``), and matched, maybe admitted, before the output that lists it in
             # ``preempted_req_ids`` is built: record the preemption now, before matching drops
-            # its holds, or the ledger keeps a running request "preempted" (issue 13, item 2).
+            # its holds, or the ledger keeps a running request "preempted".
             self._preempted[r] = request.request_id
             self._emit(RequestPreempted(r))
         if r is not None and r in self._held:
@@ -317,12 +312,11 @@ class Bridge:
 
 
 def install_bridge(
-    scheduler: Any, recorder: Recorder, *, drain: Callable[[], None] | None = None, offloading: bool = True
+    scheduler: Any, recorder: Recorder, *, offloading: bool = True
 ) -> Bridge:
     """Shadow ``scheduler.connector``'s scheduler-side calls (a scheduler-role OffloadingConnector)
-    and the block pool's prefix-cache reset and ``get_new_blocks`` to feed ``recorder``; ``drain``
-    runs after each event (the manager's ``drain_releasable``). ``offloading=False``: a scheduler
-    without a KV connector, the reset only.
+    and the block pool's prefix-cache reset and ``get_new_blocks`` to feed ``recorder``.
+    ``offloading=False``: a scheduler without a KV connector, the reset only.
 
     Refuses, with one line saying what to change, a scheduler without an OffloadingConnector
     (unless ``offloading=False``), and a block pool already made page-aware (install the bridge
@@ -349,7 +343,7 @@ def install_bridge(
         workers, windows = int(parallel.world_size), window_groups(scheduler.kv_cache_config)
     else:
         workers, windows = 1, frozenset()
-    bridge = Bridge(connector, recorder, workers=workers, windows=windows, drain=drain)
+    bridge = Bridge(connector, recorder, workers=workers, windows=windows)
     if connector is not None:
         calls = {name: getattr(bridge, name) for name in patches.CONNECTOR_CALLS}
         bridge._orig.update(patches.shadow(connector, on_connector, calls))

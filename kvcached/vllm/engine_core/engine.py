@@ -11,7 +11,8 @@ real-vLLM scenarios (whose journals are the golden traces) and the benchmarks al
 ``EngineConfig``. Every vLLM object the chain changes is checked against the patch table
 (``kvcached.vllm.patches``) before any is changed. The order matters twice: the bridge is
 installed before the page-aware pool, whose prefix-cache reset wraps the bridge's (a reset is
-recorded before the frees it causes), and the manager before the bridge, which drains it.
+recorded before the frees it causes), and the manager before the scheduler's wrappers, which
+drain it.
 
 ``Engine`` is also the control surface of a running engine (the live service calls it with the
 engine's lock held, so nothing else touches the scheduler meanwhile): ``set_limit_bytes`` and
@@ -299,12 +300,7 @@ def assemble(
                     max_reserved=hi,
                     budget=budget,
                 )
-            bridge = install_bridge(
-                scheduler,
-                recorder,
-                drain=None if manager is None else manager.drain_releasable,
-                offloading=getattr(scheduler, "connector", None) is not None,
-            )
+            bridge = install_bridge(scheduler, recorder, offloading=getattr(scheduler, "connector", None) is not None)
             pool = None
             if manager is not None:
                 pool = install_page_aware_pool(scheduler, manager, max_cached_blocks=config.max_cached_blocks)

@@ -24,11 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...errors import KvcachedError
-from ..patches import vllm_version
+from ..patches import PatchError, vllm_version
 
 
-class SeamError(KvcachedError):
+class SeamError(PatchError):
     """vLLM's ``get_new_blocks`` no longer hands out the head of its free queue: it handed out
     blocks kvcached did not choose, and this module must follow that vLLM."""
 

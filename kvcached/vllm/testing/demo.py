@@ -32,6 +32,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvcached.testing.tiny_model import build
 from kvcached.vllm.testing import elastic
 from kvcached.vllm.testing.e2e import (
     ACTIVE_LINE,
@@ -42,7 +43,6 @@ from kvcached.vllm.testing.e2e import (
     validation_config,
     validation_prompts,
 )
-from kvcached.testing.tiny_model import build
 
 MiB = 1 << 20
 

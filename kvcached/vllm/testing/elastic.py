@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcached.budget import budget_usage
-from kvcached.vllm.testing.e2e import Completion, Server, ServerConfig, kv_resident_bytes
 from kvcached.testing.tiny_model import corpus
+from kvcached.vllm.testing.e2e import Completion, Server, ServerConfig, kv_resident_bytes
 
 MiB = 1 << 20
 KV_BYTES = 64 * MiB  # each engine's KV cache, as vLLM sizes it (32 blocks of 128 tokens, 2 MiB each)

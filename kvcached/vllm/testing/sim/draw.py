@@ -8,7 +8,7 @@ halve a prompt, remove a fault, turn async scheduling off) and a test case must 
 disk and read back; ``Workload`` actions refer to earlier requests by their ordinal among the
 ``Add`` actions, so removing one is a renumbering, not a search.
 
-What a seed varies follows issue 16: sync or async scheduling, the worker side at schedule or
+What a seed varies: sync or async scheduling, the worker side at schedule or
 late; tensor parallel 1 or 2 with a rank that reports late; a sliding window; blocks per CPU
 chunk; GPU blocks few enough that vLLM preempts; a batch-token budget small enough to chunk
 prefills; the CPU tier's size and eviction policy; kvcached's page size in blocks, reserve bounds
