@@ -123,6 +123,7 @@ class Variant:
             num_gpu_blocks=w.num_gpu_blocks,
             max_model_len=4096,
             cpu_bytes_to_use=128 << 20,
+            kvcached_connector=name != "vllm",  # vLLM alone: vLLM's own connector class
         )
         self.h = Harness(cfg, on_scheduler_built=self._built)
         self.h.model.forward = lambda *a, **k: None  # type: ignore[method-assign]  # no forward pass

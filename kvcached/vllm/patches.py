@@ -8,7 +8,9 @@ do, and each first checks every target of what it is about to install, so that a
 moved one refuses in one line naming the target and the version found, before anything has
 changed. Where vLLM offers a documented seam it is used instead of a patch: the general-plugin
 entry point (``vllm.general_plugins``, which runs ``kvcached.vllm.plugin.register`` in every
-vLLM process) and the offloading spec's ``spec_module_path`` (``kvcached.vllm.offload.cpu``).
+vLLM process), the connector factory's ``kv_connector_module_path`` (vLLM builds kvcached's
+subclass of its ``OffloadingConnector``, ``CONNECTOR_MODULE``) and the offloading spec's
+``spec_module_path`` (``kvcached.vllm.offload.cpu``).
 
 Patches are installed at four moments, ``When``: at plugin load (process-wide wrappers of a
 module's or a class's function, in every vLLM process), at a worker's KV allocation (its model
@@ -38,6 +40,9 @@ import msgspec
 from ..errors import ConfigError
 
 SENTINEL: Final = "__kvcached_patch__"
+# vLLM's connector factory takes ``kv_connector`` from this module when the config names it
+# (``kv_connector_module_path``): kvcached's OffloadingConnector, vLLM's under the same name.
+CONNECTOR_MODULE: Final = "kvcached.vllm.engine_core.connector"
 # The vLLM releases every target below was read in and tested on (the API server refuses others).
 KNOWN: Final = ("0.32.0", "0.33.0")
 
@@ -53,6 +58,10 @@ class How(enum.Enum):
     WRAPPED = "wrapped"  # a module's or class's function, replaced by one that calls it
     SHADOWED = "shadowed"  # a bound method of one object, shadowed by an instance attribute
     ADDED = "added"  # an attribute vLLM does not have
+    # Overridden in a subclass of kvcached's that vLLM builds through a documented seam (the
+    # class's module named in vLLM's config): vLLM's class and objects stay as shipped.
+    SUBCLASSED = "subclassed"
+    READ = "read"  # only read (``RELIED_ON``): a name kvcached uses beyond vLLM's public methods
 
 
 class Patch(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,9 +201,11 @@ PATCHES: Final = (
     ),
     Patch(
         name="offloading bridge", process="engine core", module=_CONNECTOR, owner="OffloadingConnector",
-        attrs=CONNECTOR_CALLS, how=How.SHADOWED, when=When.ENGINE_BUILD,
+        attrs=CONNECTOR_CALLS, how=How.SUBCLASSED, when=When.ENGINE_BUILD,
         why="the scheduler-side OffloadingConnector's calls say which blocks a store or load job copies "
-        "and when every worker reported it (kvcached PR #598's freed-block copies); its class stays vLLM's",
+        "and when every worker reported it (kvcached PR #598's freed-block copies); vLLM builds kvcached's "
+        "subclass (engine_core.connector) because KVConnectorFactory.get_connector_class takes the class from "
+        "kv_transfer_config.kv_connector_module_path, which the startup patch sets",
     ),
     Patch(
         name="prefix-cache reset and fresh blocks, recorded", process="engine core", module=_POOL,
@@ -229,14 +240,14 @@ RELIED_ON: Final = (
     Patch(
         name="pool seam", process="engine core", module=_POOL, owner="BlockPool",
         attrs=("_reuse_watchers", "_notify_reuse", "free_block_queue", "blocks", "null_block", "evict_blocks"),
-        how=How.WRAPPED, when=When.ENGINE_BUILD,
+        how=How.READ, when=When.ENGINE_BUILD,
         why="BlockPool.get_new_blocks hands out the head of free_block_queue; _notify_reuse tells "
         "unpin_blocks' watchers (vLLM 0.32 and 0.33, vllm/v1/core/block_pool.py)",
     ),
     Patch(
         name="free queue seam", process="engine core", module="vllm.v1.core.kv_cache_utils",
         owner="FreeKVCacheBlockQueue",
-        attrs=("remove", "prepend_n", "popleft_n", "num_free_blocks"), how=How.WRAPPED, when=When.ENGINE_BUILD,
+        attrs=("remove", "prepend_n", "popleft_n", "num_free_blocks"), how=How.READ, when=When.ENGINE_BUILD,
         why="the page-aware pool moves its choice to the queue's head before vLLM pops it",
     ),
 )

@@ -129,3 +129,36 @@ def test_a_missing_target_is_refused_in_one_line_before_anything_changes(monkeyp
     assert "\n" not in msg and "vllm.engine.arg_utils.EngineArgs.create_engine_config is missing" in msg
     assert f"({vllm.__version__})" in msg
     assert Scheduler.__init__ is init and patches.installed() == []  # checked first: nothing installed
+
+
+def test_vllm_builds_kvcacheds_connector_through_its_factory_and_a_bridge_needs_it() -> None:
+    """The documented seam: kv_connector_module_path names kvcached's subclass, under vLLM's name."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
+    from kvcached.vllm.api_server.checks import _check_connector
+    from kvcached.vllm.api_server.startup import name_connector
+    from kvcached.vllm.engine_core import connector as ours
+    from kvcached.vllm.engine_core.bridge import install_bridge
+    from kvcached.vllm.testing.harness import Harness, HarnessConfig
+
+    assert ours.CALLS == patches.CONNECTOR_CALLS
+    ktc = SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path=None)
+    name_connector(ktc)
+    assert ktc.kv_connector_module_path == patches.CONNECTOR_MODULE == ours.__name__
+    _check_connector(ktc, on_cpu=False)  # kvcached's own module passes the startup checks
+    with pytest.raises(ConfigError, match="kv_connector_module_path names elsewhere.mod"):
+        _check_connector(SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path="elsewhere.mod"),
+                         on_cpu=False)
+    with Harness(HarnessConfig(kvcached_connector=True)) as h:
+        c = h.scheduler.connector
+        assert type(c) is ours.OffloadingConnector and type(c).__name__ == "OffloadingConnector"
+        assert isinstance(c, OffloadingConnector) and c.kvcached_bridge is None
+    with Harness(HarnessConfig(kvcached_connector=False)) as h:
+        assert type(h.scheduler.connector) is OffloadingConnector  # vLLM's own: no bridge goes on it
+        m = KVCacheManager.standalone(KVGeometry(num_blocks=64, block_bytes=4096, page_bytes=16384),
+                                      HostBackend(page_bytes=16384))
+        with pytest.raises(ConfigError) as e:
+            install_bridge(h.scheduler, m.recorder)
+        assert "\n" not in str(e.value) and patches.CONNECTOR_MODULE in str(e.value)
+        assert patches.SENTINEL not in vars(h.scheduler.connector)

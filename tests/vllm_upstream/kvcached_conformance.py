@@ -1,4 +1,4 @@
-"""pytest plugin: vLLM's own tests as kvcached's conformance suite (issue 19).
+"""pytest plugin: vLLM's own tests as kvcached's conformance suite.
 
 ``scripts/vllm-conformance.sh`` runs vLLM 0.33.0's tests of its block pool, KV cache managers,
 prefix caching, scheduler and OffloadingConnector, taken from vLLM's source distribution at test
@@ -81,7 +81,7 @@ class Installer:
         # The page-aware pools built in the current test, held until it ends (a test's pools
         # often die with its locals, before the check at teardown).
         self.pools: list[Any] = []
-        self._undo: list[tuple[type, Any]] = []
+        self._undo: list[tuple[type, str, Any]] = []
         self.counts = {"scheduler": 0, "other": 0, "checked": 0}
 
     # --- what each construction gets ------------------------------------------------------------
@@ -166,11 +166,28 @@ class Installer:
 
         BlockPool.__init__ = block_pool_init  # type: ignore[method-assign]
         Scheduler.__init__ = scheduler_init  # type: ignore[method-assign]
-        self._undo = [(BlockPool, pool_init), (Scheduler, sched_init)]
+        self._undo = [(BlockPool, "__init__", pool_init), (Scheduler, "__init__", sched_init)]
+
+        # A served engine's config names kvcached's OffloadingConnector for vLLM's connector factory
+        # (kvcached.vllm.api_server.startup.name_connector); vLLM's tests build their configs
+        # themselves, so the factory is told here what that config would have said.
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        from kvcached.vllm.api_server.startup import name_connector
+
+        get_class = KVConnectorFactory.__dict__["get_connector_class"]
+
+        def get_connector_class(cls: Any, kv_transfer_config: Any) -> Any:
+            if kv_transfer_config.kv_connector_module_path is None:
+                name_connector(kv_transfer_config)
+            return get_class.__func__(cls, kv_transfer_config)
+
+        KVConnectorFactory.get_connector_class = classmethod(get_connector_class)  # type: ignore[assignment]
+        self._undo.append((KVConnectorFactory, "get_connector_class", get_class))
 
     def uninstall(self) -> None:
-        for cls, init in self._undo:
-            cls.__init__ = init
+        for cls, name, original in self._undo:
+            setattr(cls, name, original)
         self._undo = []
 
     # --- after each test --------------------------------------------------------------------------
@@ -197,7 +214,7 @@ INSTALLER = Installer()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--kvcached", action="store_true", help="run under kvcached's page-aware pool and bridge (issue 19)"
+        "--kvcached", action="store_true", help="run under kvcached's page-aware pool and bridge"
     )
 
 

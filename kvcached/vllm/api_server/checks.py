@@ -26,6 +26,7 @@ from typing import Any
 from ...backends import cuda_visible
 from ...errors import ConfigError
 from ...settings import Settings, unknown_settings
+from ..patches import CONNECTOR_MODULE
 
 log = logging.getLogger("vllm.kvcached")  # the plugin's logger: vLLM's format and handlers
 
@@ -101,6 +102,12 @@ def _check_connector(ktc: Any, *, on_cpu: bool) -> None:
         raise ConfigError(
             f"kvcached works with OffloadingConnector as the only KV connector, not {name}: "
             "use --kv-offloading-size / kv_connector=OffloadingConnector, or disable kvcached"
+        )
+    module = getattr(ktc, "kv_connector_module_path", None)
+    if module and module != CONNECTOR_MODULE:
+        raise ConfigError(
+            f"kvcached brings its own OffloadingConnector (vLLM's, reporting to kvcached); kv_connector_module_path "
+            f"names {module}: remove it, or disable kvcached"
         )
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
     spec = extra.get("spec_name", "CPUOffloadingSpec")

@@ -3,7 +3,8 @@
 ``EngineArgs.create_engine_config`` builds the ``VllmConfig`` every engine of ``vllm serve``
 starts from, in the API server's process, before any engine process exists: its replacement
 runs vLLM's, then ``checks.check_config``, which refuses an unsupported setup with one line
-(``SystemExit``: no traceback), then joins kvcached's series to vLLM's Prometheus registry.
+(``SystemExit``: no traceback), names kvcached's OffloadingConnector for vLLM's connector factory
+(``name_connector``), then joins kvcached's series to vLLM's Prometheus registry.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def name_connector(kv_transfer_config: Any) -> None:
+    """Have vLLM's connector factory build kvcached's OffloadingConnector (vLLM's, reporting its
+    scheduler-side calls to the bridge) in every process of this server: the factory takes the
+    class named ``kv_connector`` from ``kv_connector_module_path`` before its own registry
+    (``KVConnectorFactory.get_connector_class``). The checks refused any other module."""
+    if kv_transfer_config is not None and kv_transfer_config.kv_connector == "OffloadingConnector":
+        kv_transfer_config.kv_connector_module_path = patches.CONNECTOR_MODULE
+
+
 def wrap_create_engine_config(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -40,6 +50,7 @@ def wrap_create_engine_config(original: Callable[..., Any], settings: Settings) 
             checks.check_config(config, settings, version=patches.vllm_version(), on_cpu=_on_cpu())
         except ConfigError as e:
             refuse(str(e))
+        name_connector(config.kv_transfer_config)
         from . import metrics  # the API server's process: its /metrics gets kvcached's series
 
         metrics.install(os.getpid())

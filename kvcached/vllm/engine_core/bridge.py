@@ -3,8 +3,10 @@
 The connector copies blocks after vLLM has freed them (the three cases of kvcached PR #598), and vLLM only
 waits for such a copy when it reallocates a block. kvcached must therefore learn, from the
 connector's own public calls, which pages a copy may still read or write. ``install_bridge``
-wraps the scheduler-side connector *instance* (its bound methods are shadowed by attributes on
-that one object; no class and no module of vLLM changes) and turns each call into events:
+attaches a bridge to the scheduler-side connector, kvcached's subclass of vLLM's
+OffloadingConnector that vLLM itself builds through its connector factory (``connector``: each
+of these calls goes to the bridge, which calls vLLM's; no class and no module of vLLM changes),
+and turns each call into events:
 
 * ``on_new_request``: the request is named (interned to a small integer);
 * ``get_num_new_matched_tokens``: native matching drops the request's old block lists, so its
@@ -314,8 +316,9 @@ class Bridge:
 def install_bridge(
     scheduler: Any, recorder: Recorder, *, offloading: bool = True
 ) -> Bridge:
-    """Shadow ``scheduler.connector``'s scheduler-side calls (a scheduler-role OffloadingConnector)
-    and the block pool's prefix-cache reset and ``get_new_blocks`` to feed ``recorder``.
+    """Attach a bridge to ``scheduler.connector`` (kvcached's OffloadingConnector, scheduler role:
+    it reports its scheduler-side calls to the bridge) and shadow the block pool's prefix-cache
+    reset and ``get_new_blocks``, to feed ``recorder``.
     ``offloading=False``: a scheduler without a KV connector, the reset only.
 
     Refuses, with one line saying what to change, a scheduler without an OffloadingConnector
@@ -333,7 +336,17 @@ def install_bridge(
                 f"this scheduler has {name if connector is not None else 'none'}: set "
                 "kv_transfer_config={'kv_connector': 'OffloadingConnector', ...} or disable kvcached"
             )
-        patches.check_object(connector, on_connector)
+        from .connector import OffloadingConnector
+
+        if not isinstance(connector, OffloadingConnector):
+            raise ConfigError(
+                f"kvcached's offloading bridge needs the OffloadingConnector of {patches.CONNECTOR_MODULE} "
+                f"(vLLM's, reporting to kvcached); this one is {type(connector).__module__}'s: set "
+                f"kv_transfer_config's kv_connector_module_path to {patches.CONNECTOR_MODULE} (ENABLE_KVCACHED=1 "
+                "does so at startup) or disable kvcached"
+            )
+        if connector.kvcached_bridge is not None:
+            raise ConfigError("kvcached's offloading bridge is already installed on this connector")
     pool = scheduler.kv_cache_manager.block_pool
     if patches.by_name("page-aware block pool").name in getattr(pool, patches.SENTINEL, ()):
         raise ConfigError("install kvcached's bridge before its page-aware pool (the pool's reset wraps the bridge's)")
@@ -345,8 +358,9 @@ def install_bridge(
         workers, windows = 1, frozenset()
     bridge = Bridge(connector, recorder, workers=workers, windows=windows)
     if connector is not None:
-        calls = {name: getattr(bridge, name) for name in patches.CONNECTOR_CALLS}
-        bridge._orig.update(patches.shadow(connector, on_connector, calls))
+        bridge._orig.update(connector.vllm_calls())
+        connector.kvcached_bridge = bridge
+        patches.mark(connector, on_connector)
     # Fresh blocks matter only to stores (I5): without a connector only the reset is recorded.
     on_pool_calls: dict[str, Callable[..., Any]] = {"reset_prefix_cache": bridge.reset_prefix_cache}
     if connector is not None:

@@ -62,6 +62,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvcached.errors import ConfigError
 from kvcached.testing.stand_in import ModelStandIn, Row
 from kvcached.vllm.offload.cpu import KvcachedCPUOffloadingWorker, TransferPlan
+from kvcached.vllm.patches import CONNECTOR_MODULE
 
 __all__ = ["FreedBlockCopy", "Harness", "HarnessConfig", "KVMemory", "LoadCheck", "LoadMismatch", "StepRecord"]
 
@@ -93,6 +94,10 @@ class HarnessConfig:
     # stream, lagging the scheduler); True, at once after its schedule (the uni executor's
     # Python, with copies that finish before the scheduler moves on).
     worker_at_schedule: bool = False
+    # Which OffloadingConnector the scheduler gets: kvcached's (vLLM's, reporting its calls to a
+    # bridge, as a served engine with ENABLE_KVCACHED=1 builds it), vLLM's own, or None: kvcached's
+    # when something is put under the scheduler (``on_scheduler_built``), else vLLM's.
+    kvcached_connector: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -201,7 +206,8 @@ class Harness:
         if cfg.sliding_window is not None and cfg.sliding_window < 1:
             raise ConfigError(f"harness: sliding_window must be >= 1 token, got {cfg.sliding_window}")
         self._model_dir = _write_model_dir(cfg)
-        self.vllm_config = self._build_vllm_config()
+        ours = cfg.kvcached_connector if cfg.kvcached_connector is not None else on_scheduler_built is not None
+        self.vllm_config = self._build_vllm_config(kvcached_connector=ours)
         self.kv_cache_config = self._build_kv_cache_config()
         bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.kv_cache_config.hash_block_size = hash_bs
@@ -253,7 +259,7 @@ class Harness:
 
     # --- construction -------------------------------------------------------------------------
 
-    def _build_vllm_config(self) -> VllmConfig:
+    def _build_vllm_config(self, *, kvcached_connector: bool) -> VllmConfig:
         cfg = self.config
         model = ModelConfig(
             model=self._model_dir, skip_tokenizer_init=True, max_model_len=cfg.max_model_len, dtype="float16"
@@ -281,7 +287,10 @@ class Harness:
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=cfg.tp),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+                kv_connector_module_path=CONNECTOR_MODULE if kvcached_connector else None,
             ),
         )
 
