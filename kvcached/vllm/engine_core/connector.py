@@ -14,14 +14,22 @@ metrics are vLLM's, inherited.
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector as VllmOffloadingConnector,
 )
 
-if TYPE_CHECKING:
-    from .bridge import Bridge
+
+class Bridge(Protocol):
+    """What the connector calls on ``bridge.Bridge`` (named so, without importing it: that
+    module imports this one when it attaches)."""
+
+    def on_new_request(self, request: Any) -> Any: ...
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any: ...
+    def build_connector_meta(self, scheduler_output: Any) -> Any: ...
+    def update_connector_output(self, connector_output: Any) -> Any: ...
+    def has_pending_push_work(self) -> bool: ...
 
 
 class OffloadingConnector(VllmOffloadingConnector):  # type: ignore[misc,unused-ignore]
