@@ -16,7 +16,8 @@ echo "--- the ledger's, the manager's and the page-aware pool's tests against th
 bash scripts/build-compiled.sh .venv/compiled
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pytest -q -p no:cacheprovider \
     tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py tests/test_live.py \
-    tests/test_kv_cache_manager.py tests/test_available_size.py tests/test_cached_blocks.py tests/test_budget.py
+    tests/test_kv_cache_manager.py tests/test_available_size.py tests/test_invariants.py tests/test_cached_blocks.py \
+    tests/test_budget.py
 echo "--- real vLLM 0.33.0 (scheduler, OffloadingConnector) with kvcached underneath"
 ensure_vllm_env
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler

@@ -127,3 +127,15 @@ def test_the_version_is_written_once() -> None:
     literal = '"0.1.0.dev0"'
     holders = [p for p in (ROOT / "kvcached").rglob("*.py") if literal in p.read_text()]
     assert holders == [], holders
+
+
+def test_what_the_gpu_checks_import_stands_without_anyio_or_vllm() -> None:
+    """scripts/gpu_check.sh runs tests/gpu on a machine with torch and msgspec only."""
+    code = (
+        "import sys; sys.modules.update(anyio=None, vllm=None, rich=None);"
+        "from kvcached.vllm import kv_layout, step_channel;"
+        "from kvcached.vllm.engine_core import step_sender;"
+        "from kvcached.vllm.worker import kv_memory, step_receiver;"
+        "import kvcached.kv_cache_manager, kvcached.backends"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

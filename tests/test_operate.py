@@ -13,7 +13,6 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -255,12 +254,14 @@ def test_a_failing_scheduler_call_saves_the_flight_recorder_before_it_raises(tmp
     from kvcached.ledger.ledger import Ledger
     from kvcached.ledger.recorder import Recorder
     from kvcached.vllm.engine_core import scheduler_calls
+    from kvcached.vllm.engine_core.bridge import Bridge
     from kvcached.vllm.engine_core.engine import Engine
 
     header, events = events_of(ROOT / "traces" / "preempt-shrink.ledger.kvj")
     bg = BackgroundService.start(header, ServiceConfig(flight_events=64, dump_dir=str(tmp_path)))
-    bridge = SimpleNamespace(connector=object())  # an engine with a connector: no build to close
-    engine = Engine(Recorder(Ledger(header)), manager=None, pool=None, bridge=bridge, service=bg)  # type: ignore[arg-type]
+    recorder = Recorder(Ledger(header))
+    bridge = Bridge(object(), recorder, workers=1, windows=frozenset())  # a connector: no build to close
+    engine = Engine(recorder, manager=None, pool=None, bridge=bridge, service=bg)
 
     class Scheduler:  # the shape of vLLM's: the engine wraps the real one's calls the same way
         def schedule(self) -> None:

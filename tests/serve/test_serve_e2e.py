@@ -129,6 +129,9 @@ def test_server_checks(runs: dict[str, Run], mode: str) -> None:
     else:
         assert len(active) == 1, active
         assert f"policy={mode}" in active[0] and "backend=host" in active[0] and "offloading bridge=on" in active[0]
+        # ... and what it changed in vLLM (kvcached/vllm/patches.py)
+        changed = active[0].split("vLLM changed: ", 1)[1]
+        assert "v1.core.sched.scheduler.Scheduler.__init__" in changed and "EngineCoreProc.run_busy_loop" in changed
 
 
 def test_second_pass_loads_from_the_cpu_tier(runs: dict[str, Run]) -> None:

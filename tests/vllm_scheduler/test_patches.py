@@ -147,7 +147,7 @@ def test_vllm_builds_kvcacheds_connector_through_its_factory_and_a_bridge_needs_
     name_connector(ktc)
     assert ktc.kv_connector_module_path == patches.CONNECTOR_MODULE == ours.__name__
     _check_connector(ktc, on_cpu=False)  # kvcached's own module passes the startup checks
-    with pytest.raises(ConfigError, match="kv_connector_module_path names elsewhere.mod"):
+    with pytest.raises(ConfigError, match=r"kv_connector_module_path names elsewhere\.mod"):
         _check_connector(SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path="elsewhere.mod"),
                          on_cpu=False)
     with Harness(HarnessConfig(kvcached_connector=True)) as h:

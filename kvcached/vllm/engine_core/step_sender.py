@@ -20,7 +20,6 @@ from .. import patches
 from ..kv_layout import KVPlan
 from ..step_channel import PageLog
 from ..worker.step_receiver import flush_on_worker
-from .engine import engine_of
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +87,8 @@ def wrap_run_busy_loop(original: Callable[..., Any], _context: object) -> Callab
     plugins (so runs kvcached's ``register``) from inside ``EngineCore.__init__``, too late to
     wrap the constructor already running; the busy loop is looked up on the class when it
     starts, after that."""
+
+    from .engine import engine_of  # here: the GPU checks import this module where anyio is not
 
     @functools.wraps(original)
     def run_busy_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
