@@ -397,7 +397,7 @@ def main() -> int:
         return 2
     import kvcached.ledger.ledger as ledger_module
 
-    compiled = [m for m in COMPILED_NAMES if _is_compiled(m)]
+    compiled = [m for m in _compiled_names() if _is_compiled(m)]
     print(f"kvcached from {Path(ledger_module.__file__).parent.parent}; compiled: {', '.join(compiled) or 'none'}")
     raw = {}
     with contextlib.ExitStack() as stack:
@@ -420,10 +420,10 @@ def main() -> int:
 
 
 BUILD_ENV = "KVCACHED_BENCH_BUILD"
-COMPILED_NAMES = (
-    "kvcached.ledger.ledger", "kvcached.ledger.recorder", "kvcached.kv_cache_manager", "kvcached.page_allocator",
-    "kvcached.vllm.engine_core.block_pool", "kvcached.vllm.engine_core.bridge",
-)
+def _compiled_names() -> tuple[str, ...]:
+    from kvcached.ledger.compiled import COMPILED_MODULES  # the one list, as pip install compiles it
+
+    return COMPILED_MODULES
 
 
 def _is_compiled(module: str) -> bool:
