@@ -1,4 +1,4 @@
-"""``alloc(available_size())`` always succeeds (issue 13, item 1).
+"""``alloc(available_size())`` always succeeds.
 
 vLLM's scheduler trusts the page-aware pool's free-block count and asks for that many blocks
 inside ``Scheduler.schedule()``; an ``OutOfPagesError`` there kills the engine. The count was
@@ -161,7 +161,7 @@ def test_the_cached_count_is_the_count(
     budget_pages: int | None,
     ops: list[tuple[str, int]],
 ) -> None:
-    # available_size caches its page part behind the allocator's change count (issue 18): after
+    # available_size caches its page part behind the allocator's change count: after
     # any sequence of the calls that move pages, and of another engine drawing on the budget, it
     # answers what counting afresh answers.
     num_blocks = pages * per_page + short % per_page

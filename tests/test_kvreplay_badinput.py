@@ -305,7 +305,7 @@ def test_a_snapshot_that_is_not_a_regular_file_is_one_line(
         assert err[0] == f"kvreplay: {snap}: at byte 0: cannot read the snapshot: {what}, not a regular file"
 
 
-# --- issue 13, item 4: what is not a regular file, integers past int64, nesting, bad snapshots -
+# --- what is not a regular file, integers past int64, nesting, bad snapshots -
 
 
 _RUN_EACH = """
@@ -489,7 +489,7 @@ def test_a_snapshot_nested_deep_or_of_an_absurd_geometry_is_one_line(
         assert_one_line_error(code, err, bad, "not a ledger snapshot", words)
 
 
-# --- issue 13, item 3: a trace that holds nothing, or ends with work under way ------------------
+# --- a trace that holds nothing, or ends with work under way ------------------
 
 
 def test_a_trace_with_no_event_checks_nothing_and_says_so(

@@ -284,7 +284,7 @@ def test_i4_preempted_holds_block_a_shrink_p2() -> None:
 
 def test_i4_clock_of_preempted_holds_runs_from_when_the_shrink_began() -> None:
     # A request preempted long before any limit: its holds block a shrink only from the build the
-    # pages went over the limit, so no I4 until 16 builds after that (issue 13, item 2).
+    # pages went over the limit, so no I4 until 16 builds after that.
     lg = ledger("ledger", PageMapped(0), BlockAlloc(0, (0,)), WindowHold(7, 0, (0,)))
     lg.apply_all([BlockFree(0, (0,)), RequestPreempted(7)])
     for b in range(30):

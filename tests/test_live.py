@@ -424,7 +424,7 @@ def test_kvctl_refuses_bad_arguments_in_one_line_with_exit_2(
     assert err.count("\n") == 1 and err.startswith("kvctl") and expect in err and "Traceback" not in err, err
 
 
-# --- many, idle and slow clients (issue 13 item 7) ------------------------------------------------
+# --- many, idle and slow clients ------------------------------------------------
 
 
 def _idle(path: str, n: int, first: bytes = b"") -> list[socket.socket]:

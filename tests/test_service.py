@@ -335,7 +335,7 @@ def test_resume_refuses_a_journal_it_cannot_start(tmp_path: Path) -> None:
         _drained(RotatedJournal(path).events(500))
 
 
-# --- files the service does not own (issue 13, item 8) ------------------------------------------
+# --- files the service does not own ------------------------------------------
 
 
 def _journal_off(bg: BackgroundService) -> str:

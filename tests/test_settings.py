@@ -1,4 +1,4 @@
-"""Settings (issue 13 item 5): one rule for every ``KVCACHED_*`` variable, one line per refusal.
+"""Settings: one rule for every ``KVCACHED_*`` variable, one line per refusal.
 
 Blank is the default everywhere; anything else parses exactly as its kind within its bounds or
 is refused with a ``ConfigError`` naming the variable, the value and what to set. Upstream

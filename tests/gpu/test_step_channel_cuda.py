@@ -1,4 +1,4 @@
-"""Tensor parallel on CUDA pages: two worker processes follow the scheduler's decisions (issue 17).
+"""Tensor parallel on CUDA pages: two worker processes follow the scheduler's decisions.
 
 vLLM's ``mp`` executor runs each tensor-parallel rank in a process of its own; the CUDA pages of
 its KV cache live there, and the scheduler (engine core) cannot map or unmap them. kvcached sends

@@ -4,7 +4,7 @@ it evictable in the prefix cache, and a disagreement is reported at the call tha
 
 vLLM's regression tests for its issue #33775 (``test_prefix_caching.py::
 test_cache_hit_local_and_external``) touch free blocks that are not cached; kvcached's ``touch``
-used to leave them free in its manager, which handed them out again (issue 19).
+used to leave them free in its manager, which handed them out again.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 between steps; the next ``schedule()`` matches and re-admits them, and the output it builds lists
 them in ``preempted_req_ids``. The bridge recorded the preemption after matching had dropped the
 requests' window holds, so the ledger kept running requests "preempted" for good, and the first
-shrink more than 16 builds later reported a false I4 ``holds-block-shrink`` (issue 13, item 2).
+shrink more than 16 builds later reported a false I4 ``holds-block-shrink``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Limits that shrink, on vLLM's real Scheduler and OffloadingConnector (issue 15).
+"""Limits that shrink, on vLLM's real Scheduler and OffloadingConnector.
 
 A shrink used to free only pages already empty: an idle engine whose prefix cache kept a block
 on every page stayed over a lowered limit for good (498 of 900 randomized runs). The page-aware
