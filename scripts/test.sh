@@ -3,6 +3,8 @@
 #   1. .venv (CPU torch): every test; GPU tests skip without a GPU, vLLM tests skip (no vLLM there);
 #   2. the ledger's, manager's and pool's tests again against the mypyc-compiled build, which
 #      `pip install kvcached` ships (the pool's tests on vLLM follow step 3, which sets up .venv-vllm);
+#      then the release itself (scripts/check-wheel.sh): sdist and wheel built, the wheel installed
+#      into a fresh venv and its tools run, with the C compiler and without (pure Python fallback);
 #   3. .venv-vllm (vLLM 0.33.0): the page-aware pool, the harness and the freed-block-copy scenarios
 #      on vLLM's real Scheduler and OffloadingConnector; then vLLM 0.33.0's own tests of its block
 #      pool, KV cache managers, prefix caching, scheduler and connector, alone and under kvcached
@@ -18,6 +20,8 @@ KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pyte
     tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py tests/test_live.py \
     tests/test_kv_cache_manager.py tests/test_available_size.py tests/test_invariants.py tests/test_cached_blocks.py \
     tests/test_budget.py
+echo "--- the release: the sdist and wheel python -m build makes, installed into a fresh venv, compiled and with CC=false"
+bash scripts/check-wheel.sh
 echo "--- real vLLM 0.33.0 (scheduler, OffloadingConnector) with kvcached underneath"
 ensure_vllm_env
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The release as a user gets it: `python -m build` makes the sdist and, from it, the wheel; the wheel is installed
+# (not editable, with the `replay` extra) into a fresh venv and the tools run from there: kvreplay checks a golden
+# trace, kvsim and kvctl answer. Twice: with the C compiler (the hot path must be compiled) and with it hidden
+# (CC=false: the build must fall back to pure Python with one loud line, and still install and run).
+#   check-wheel.sh            both builds
+#   check-wheel.sh compiled   or: pure
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+TRACE=traces/finish-in-write-step.ledger.kvj
+tmp=$(mktemp -d -t kvcached-wheel.XXXXXXXX)
+trap 'rm -rf -- "$tmp"' EXIT
+
+one() {  # one NAME [VAR=VALUE...]: build with the given environment, install, run the tools
+    local name=$1 out=$tmp/$1 t0=$SECONDS
+    shift
+    mkdir -p "$out"
+    if ! env "$@" "$ROOT/.venv/bin/python" -m build --outdir "$out/dist" "$ROOT" >"$out/build.log" 2>&1; then
+        tail -40 "$out/build.log" >&2
+        echo "check-wheel: $name: python -m build failed" >&2
+        return 1
+    fi
+    local whl sdist
+    whl=$(ls "$out"/dist/*.whl)
+    sdist=$(ls "$out"/dist/*.tar.gz)
+    local built=$((SECONDS - t0))
+    python3 -m venv "$out/venv"
+    "$out/venv/bin/python" -m pip install -q "$whl[replay]" >"$out/install.log" 2>&1 || {
+        cat "$out/install.log" >&2
+        echo "check-wheel: $name: the wheel does not install" >&2
+        return 1
+    }
+    # Run from elsewhere, so that nothing of the checkout can stand in for the installed package.
+    (
+        cd "$out"
+        "$out/venv/bin/kvreplay" check "$ROOT/$TRACE" >/dev/null
+        "$out/venv/bin/kvsim" --help >/dev/null
+        "$out/venv/bin/kvctl" --version
+        "$out/venv/bin/python" - "$name" "$whl" "$sdist" <<'PY'
+import sys, tarfile, zipfile
+name, whl, sdist = sys.argv[1:]
+files = zipfile.ZipFile(whl).namelist()
+need = ["kvcached/py.typed", "kvcached/__init__.pyi", "kvcached/vllm/testing/sim/execute.py", "kvreplay/cli.py",
+        "kvctl/cli.py", "kvsim/cli.py", "kvcached/vllm/engine_core/connector.py"]
+missing = [n for n in need if n not in files]
+licence = [n for n in files if n.endswith(".dist-info/licenses/LICENSE")]
+assert not missing and licence, ("the wheel lacks", missing, "LICENSE" if not licence else "")
+members = tarfile.open(sdist).getnames()
+for part in ("traces/finish-in-write-step.ledger.kvj", "tests/test_layout.py", "scripts/import_graph.py", "LICENSE"):
+    assert any(m.endswith(part) for m in members), f"the sdist lacks {part}"
+from kvcached.ledger.compiled import compiled_status
+slow = compiled_status()
+assert (slow is None) == (name == "compiled"), (name, slow)
+print(f"check-wheel: {name}: {'compiled' if slow is None else 'pure Python'}, wheel {len(files)} files")
+PY
+    )
+    if [ "$name" = pure ]; then
+        grep -q "kvcached: building pure Python" "$out/build.log" || {
+            echo "check-wheel: pure: the build did not say it fell back to pure Python" >&2
+            return 1
+        }
+    fi
+    echo "check-wheel: $name: built in ${built} s, wheel $(du -k "$whl" | cut -f1) KiB, installed and ran in $((SECONDS - t0 - built)) s"
+}
+
+case ${1:-both} in
+    compiled) one compiled ;;
+    pure) one pure CC=false ;;
+    both) one compiled && one pure CC=false ;;
+    *) echo "usage: check-wheel.sh [compiled|pure|both]" >&2; exit 2 ;;
+esac
