@@ -30,9 +30,10 @@ import threading
 from typing import Final
 
 from ..errors import ConsistencyError
+from .patches import by_name
 
-# The attribute of vLLM's ``SchedulerOutput`` that carries a batch (declared in ``patches``).
-ATTR: Final = "kvcached_page_ops"
+# The attribute of vLLM's ``SchedulerOutput`` that carries a batch, as the patch table adds it.
+ATTR: Final = by_name("page decisions ride the step").attrs[0]
 
 
 class ChannelError(ConsistencyError):
