@@ -139,3 +139,10 @@ def test_what_the_gpu_checks_import_stands_without_anyio_or_vllm() -> None:
         "import kvcached.kv_cache_manager, kvcached.backends"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_kvsim_without_vllm_says_what_to_install_in_one_line() -> None:
+    code = "import sys; sys.modules['vllm'] = None; from kvsim.cli import main; sys.exit(main(['run', '--seeds', '1']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1 and "install vLLM 0.33.0" in done.stderr and "Traceback" not in done.stderr

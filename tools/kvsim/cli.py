@@ -236,8 +236,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"kvsim: -o {out}: not a directory", file=sys.stderr)
                 return 2
         return {"run": cmd_run, "repro": cmd_repro, "shrink": cmd_shrink}[args.cmd](args)
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in _ENGINE_DEPS:
+            raise
+        print(
+            f"kvsim: it drives vLLM's real scheduler, and this environment has no {e.name}: "
+            "install vLLM 0.33.0 here (pip install vllm==0.33.0, which brings torch)",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         return 130
+
+
+# What the simulation imports beyond kvcached: missing, it is an environment to set up, not a bug.
+_ENGINE_DEPS = frozenset(("vllm", "torch", "transformers", "numpy"))
 
 
 if __name__ == "__main__":
