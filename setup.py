@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 
 from setuptools import setup
@@ -55,6 +56,7 @@ class OptionalBuildExt(build_ext):  # type: ignore[misc]
     either compiled or pure, never some of each."""
 
     def run(self) -> None:
+        self._drop_stale_groups()
         try:
             super().run()
         except Exception as exc:  # CompileError, LinkError, a missing compiler, ...
@@ -63,6 +65,19 @@ class OptionalBuildExt(build_ext):  # type: ignore[misc]
                     os.remove(path)
             self.extensions: list[object] = []
             print(f"{LOUD}: the C compiler failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+    def _drop_stale_groups(self) -> None:
+        """mypyc names the library its modules share by a hash of their list: one that an earlier
+        build of another list left in this build directory would ride along in the wheel."""
+        ours = {os.path.basename(p) for p in self.get_outputs()}
+        folder = self.build_lib
+        if self.inplace or not os.path.isdir(folder):
+            return
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            stale = re.fullmatch(r"[0-9a-f]{20}__mypyc\.cpython-[^/]+\.so", name) and name not in ours
+            if stale and os.path.isfile(path) and not os.path.islink(path):
+                os.remove(path)
 
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; build-compiled.sh imports it for the list
