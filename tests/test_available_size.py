@@ -28,9 +28,20 @@ def manager(num_blocks: int, per_page: int, policy: str = "ledger", **kw: Any) -
 
 
 def move(m: KVCacheManager, op: str, x: int, held: list[int], build: int) -> tuple[list[int], int]:
-    """The moves both randomized tests make (free some, empty a page, end a build, set a limit);
-    returns the blocks still held and the next build. Other ops change nothing here."""
-    if op == "free" and held:
+    """The moves the randomized tests make (take some blocks, take one free block as vLLM's touch
+    does, free some, empty a page, end a build, set a limit); returns the blocks still held and the
+    next build. Other ops change nothing here."""
+    if op == "alloc":
+        held = held + m.alloc(x % (m.available_size() + 1))
+    elif op == "take":
+        free = [b for b in range(m.geometry.num_blocks) if not m.holds(b)]
+        if free:
+            try:
+                m.take([free[x % len(free)]])
+                held = [*held, free[x % len(free)]]
+            except OutOfBlocksError:
+                pass  # a limit or a shrink refuses the page: nothing changed
+    elif op == "free" and held:
         k = x % len(held) + 1
         m.free(held[:k])
         held = held[k:]
@@ -177,18 +188,7 @@ def test_the_cached_count_is_the_count(
     try:
         for op, x in ops:
             assert m.available_size() == afresh()  # read first, so that a stale cache is in play
-            if op == "alloc":
-                avail = m.available_size()
-                held += m.alloc(x % (avail + 1))
-            elif op == "take":
-                free = [b for b in range(num_blocks) if not m.holds(b)]
-                if free:
-                    try:
-                        m.take([free[x % len(free)]])
-                        held.append(free[x % len(free)])
-                    except OutOfBlocksError:
-                        pass  # a limit or a shrink refuses the page: nothing changed
-            elif op == "other":
+            if op == "other":
                 if pot is not None:
                     pot.used = max(0, pot.used + (x % 5 - 2) * PAGE)
             else:
