@@ -264,6 +264,13 @@ def by_name(name: str) -> Patch:
     raise KeyError(name)
 
 
+def on_cpu() -> bool:
+    """Whether this is vLLM's CPU build (its platform), where the host backend serves."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def vllm_version() -> str:
     try:
         import vllm
@@ -346,14 +353,15 @@ def install(when: When, context: Any) -> None:
         replacement = _factory(p)(original, context)
         if replacement is None:  # the factory found nothing to change (a rebinding of a name not held)
             continue
-        setattr(replacement, SENTINEL, p.name)
+        if getattr(replacement, SENTINEL, None) is None:  # a rebinding reuses a wrapper already named
+            setattr(replacement, SENTINEL, p.name)
         setattr(owner, attr, replacement)
         _INSTALLED.append(p.targets()[0].removeprefix("vllm."))
 
 
 def check_object(obj: Any, patch: Patch) -> None:
     """Refuse an object that lacks an attribute ``patch`` shadows or relies on, or that carries it."""
-    if patch.name in getattr(obj, SENTINEL, ()):
+    if installed_on(obj, patch):
         raise ConfigError(f"kvcached's {patch.name} is already installed on this {type(obj).__name__}")
     if patch.how is How.ADDED:
         return
@@ -373,6 +381,11 @@ def shadow(obj: Any, patch: Patch, replacements: Mapping[str, Callable[..., Any]
     return originals
 
 
+def installed_on(obj: Any, patch: Patch) -> bool:
+    """Whether ``patch`` is installed on ``obj`` (``shadow`` or ``mark`` noted it)."""
+    return patch.name in getattr(obj, SENTINEL, ())
+
+
 def mark(obj: Any, patch: Patch) -> None:
     """Note on ``obj`` that ``patch`` is installed on it (``shadow`` does it; an ``ADDED`` patch too)."""
     setattr(obj, SENTINEL, (*getattr(obj, SENTINEL, ()), patch.name))
@@ -387,7 +400,3 @@ def engine_patches() -> list[Patch]:
     """The patches on the objects of one engine (installed at engine build and busy-loop start)."""
     return [p for p in PATCHES if p.when in (When.ENGINE_BUILD, When.BUSY_LOOP)]
 
-
-def sites() -> int:
-    """How many vLLM attributes the table changes (a patch's attrs counted one by one)."""
-    return sum(len(p.attrs) for p in PATCHES)

@@ -27,12 +27,6 @@ def refuse(message: str) -> Any:
     raise SystemExit(line)
 
 
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 def name_connector(kv_transfer_config: Any) -> None:
     """Have vLLM's connector factory build kvcached's OffloadingConnector (vLLM's, reporting its
     scheduler-side calls to the bridge) in every process of this server: the factory takes the
@@ -47,7 +41,7 @@ def wrap_create_engine_config(original: Callable[..., Any], settings: Settings) 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = original(self, *args, **kwargs)
         try:
-            checks.check_config(config, settings, version=patches.vllm_version(), on_cpu=_on_cpu())
+            checks.check_config(config, settings, version=patches.vllm_version(), on_cpu=patches.on_cpu())
         except ConfigError as e:
             refuse(str(e))
         name_connector(config.kv_transfer_config)

@@ -345,10 +345,9 @@ def install_bridge(
                 f"kv_transfer_config's kv_connector_module_path to {patches.CONNECTOR_MODULE} (ENABLE_KVCACHED=1 "
                 "does so at startup) or disable kvcached"
             )
-        if connector.kvcached_bridge is not None:
-            raise ConfigError("kvcached's offloading bridge is already installed on this connector")
+        patches.check_object(connector, on_connector)
     pool = scheduler.kv_cache_manager.block_pool
-    if patches.by_name("page-aware block pool").name in getattr(pool, patches.SENTINEL, ()):
+    if patches.installed_on(pool, patches.by_name("page-aware block pool")):
         raise ConfigError("install kvcached's bridge before its page-aware pool (the pool's reset wraps the bridge's)")
     patches.check_object(pool, on_pool)
     if connector is not None:

@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector as VllmOffloadingConnector,
 )
 
+from ..patches import CONNECTOR_CALLS
+
 
 class Bridge(Protocol):
     """What the connector calls on ``bridge.Bridge`` (named so, without importing it: that
@@ -70,9 +72,4 @@ class OffloadingConnector(VllmOffloadingConnector):  # type: ignore[misc,unused-
     def vllm_calls(self) -> dict[str, Any]:
         """vLLM's own scheduler-side methods of this connector, bound: what the bridge wraps."""
         base = VllmOffloadingConnector
-        return {name: types.MethodType(getattr(base, name), self) for name in CALLS}
-
-
-# The calls overridden above, as the patch table names them (``patches.CONNECTOR_CALLS``).
-CALLS = ("on_new_request", "get_num_new_matched_tokens", "build_connector_meta", "update_connector_output",
-         "has_pending_push_work")
+        return {name: types.MethodType(getattr(base, name), self) for name in CONNECTOR_CALLS}

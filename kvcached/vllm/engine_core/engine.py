@@ -1,8 +1,8 @@
 """One engine assembly: backends -> manager -> bridge -> page-aware pool, over one recorder.
 
 An *engine*, in kvcached, is kvcached under one vLLM scheduler, which is one vLLM engine core;
-``kvctl list`` lists engines, a budget is shared by engines, the metrics' ``engine`` label is
-vLLM's engine index. It is always the same chain: a ledger (with its journal: written inline, or
+``kvctl list`` lists engines, a budget is shared by engines, the metrics' ``engine`` label names
+one. It is always the same chain: a ledger (with its journal: written inline, or
 by the ledger service's thread), a KV cache manager over the backends that hold the worker's KV
 memory, the bridge on the scheduler's connector and block pool, the page-aware pool, and one
 wrapper around each of the scheduler's KV calls (``scheduler_calls``). The vLLM plugin, the
@@ -33,7 +33,7 @@ import msgspec
 
 from ...backends.base import Backend
 from ...budget import Budget
-from ...errors import ConfigError
+from ...errors import ConfigError, KvcachedError
 from ...kv_cache_manager import KVCacheManager, KVGeometry
 from ...ledger.events import Header, Policy
 from ...ledger.journal import JournalWriter
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from ..step_channel import PageLog
 
 log = logging.getLogger("vllm.kvcached")
+
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What differs between the engines kvcached builds (the plugin's comes from ``Settings``)."""
@@ -219,6 +220,14 @@ class Engine:
             finally:
                 if self.budget is not None:
                     self.budget.close()
+
+    def close_logged(self) -> None:
+        """``close`` at a process's end (vLLM's shutdown, atexit): a journal that cannot be
+        finished is logged, since losing the trace must not fail the shutdown."""
+        try:
+            self.close()
+        except KvcachedError as e:
+            log.error("[kvcached] journal: %s", e)
 
 
 def _size_range(lo: int, hi: int) -> str:

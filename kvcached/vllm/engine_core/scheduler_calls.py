@@ -22,7 +22,7 @@ Before the lock is let go the wrapper finishes the call's kvcached side, in one 
   build at the end of each call that frees blocks (``Bridge.close_build``);
 * the allocator drains the pages the call's events released, once, as vLLM's own
   ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a step;
-* ``shutdown`` closes the engine (journal, ledger service, budget) after vLLM's.
+* ``shutdown`` closes the engine (journal, ledger service, budget) after vLLM's (``close_logged``).
 
 A failure inside a call asks the ledger service to save its flight recorder before the
 exception goes on to vLLM, which stops the engine core: the events that led to the error are on
@@ -31,12 +31,10 @@ disk when the process dies.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...errors import KvcachedError
 from .. import patches
 from ..step_channel import ATTR
 
@@ -62,9 +60,8 @@ class Engine(Protocol):
 
     def failed(self, where: str, exc: BaseException) -> None: ...
 
-    def close(self) -> None: ...
+    def close_logged(self) -> None: ...
 
-log = logging.getLogger("vllm.kvcached")
 
 # The calls after which, without a connector, the open build is closed: the ones that free blocks.
 _FREEING = frozenset(("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"))
@@ -104,10 +101,7 @@ def _wrap(engine: Engine, name: str, fn: Callable[..., Any]) -> Callable[..., An
                 raise
             finally:
                 if shutdown:
-                    try:
-                        engine.close()
-                    except KvcachedError as e:  # losing the trace must not fail vLLM's shutdown
-                        log.error("[kvcached] journal: %s", e)
+                    engine.close_logged()
         return out
 
     call.__name__ = call.__qualname__ = name

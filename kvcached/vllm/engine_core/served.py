@@ -49,17 +49,11 @@ def service_config(settings: Settings, socket: str) -> ServiceConfig:
     )
 
 
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 def build(scheduler: Any, settings: Settings) -> Engine:
     """kvcached under a served engine core's freshly built ``scheduler``."""
     plan = kv_plan(scheduler.kv_cache_config, settings.page_bytes)
     # The workers own the KV memory; the scheduler's decisions reach them with each step.
-    backends, page_log = step_sender.decision_backends(scheduler, plan, kind="host" if _on_cpu() else "cuda")
+    backends, page_log = step_sender.decision_backends(scheduler, plan, kind="host" if patches.on_cpu() else "cuda")
     geometry = plan.geometry
     socket = default_socket_path()
     config = EngineConfig(
@@ -81,7 +75,7 @@ def build(scheduler: Any, settings: Settings) -> Engine:
     engine.control = live
     if engine.service is not None:
         engine.service.service.control = live
-    atexit.register(_close_quietly, engine)
+    atexit.register(engine.close_logged)
     slow = compiled_status()
     if slow is not None:
         log.warning("%s", slow)
@@ -106,13 +100,6 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         on_objects,
     )
     return engine
-
-
-def _close_quietly(engine: Engine) -> None:
-    try:
-        engine.close()
-    except KvcachedError as e:  # losing the trace must not fail the shutdown
-        log.error("[kvcached] journal: %s", e)
 
 
 def wrap_scheduler_init(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:

@@ -43,14 +43,12 @@ def wrap_allocate_kv_cache(original: Callable[..., Any], settings: Settings) -> 
             raise
 
     _replacement = allocate_kv_cache
-    allocate_kv_cache.__kvcached_original__ = original  # type: ignore[attr-defined]
     return allocate_kv_cache
 
 
 def rebind_allocate_kv_cache(held: Callable[..., Any], _settings: Settings) -> Callable[..., Any] | None:
     """A runner module's name for ``allocate_kv_cache``: rebound if it holds vLLM's function."""
     ours = _replacement
-    if ours is None or held is not getattr(ours, "__kvcached_original__", None):
+    if ours is None or held is not getattr(ours, "__wrapped__", None):  # functools.wraps keeps vLLM's
         return None
-    # A second wrapper object, so that the sentinel names this patch on this module's name.
-    return functools.wraps(ours)(lambda *args, **kwargs: ours(*args, **kwargs))
+    return ours
