@@ -34,7 +34,7 @@ def test_a_served_engine_reaches_no_scaffolding_and_no_optional_dependency() -> 
     served = import_graph.reachable(import_graph.graph(), import_graph.SERVED_ROOTS)
     assert "kvcached.vllm.plugin" in served and "kvcached.vllm.engine_core.bridge" in served
     assert {"kvcached.vllm.engine_core.served", "kvcached.vllm.worker.hooks"} <= served  # the table's factories
-    scaffolding = ("kvcached.testing", "kvcached.vllm.testing", "kvreplay", "kvctl", "kvsim")
+    scaffolding = ("kvcached.testing", "kvcached.vllm.testing", "kvreplay", "kvctl", "kvsim", "kvcli")
     assert not {m for m in served if m.startswith(scaffolding) or m in scaffolding}
     assert not served & OPTIONAL
 

@@ -1,0 +1,87 @@
+"""What kvreplay, kvctl and kvsim promise alike: exit codes, one-line errors, ``--version``, units.
+
+An operator scripts these three tools together (``kvctl dump`` then ``kvreplay check``, a kvsim
+seed shrunk to a trace), so they must fail the same way: a usage error (an unknown option, a value
+out of range, options that do not go together) is one line on stderr and exit 2, as argparse's
+own convention and ``grep``'s; a run that could not do its job (an unreadable trace, no engine
+answering, a violation found by a check) is one line and exit 1; success is 0. An error kvcached
+raises on purpose (``KvcachedError``) or an ``OSError`` on a file the user named is a plain user
+error and is never called a bug; only an exception nobody anticipated says "internal error", with
+the environment variable that shows its traceback. Sizes print in their unit and counts agree
+with their nouns through the helpers here, so the three tools read alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Final, NoReturn
+
+from kvcached.errors import KvcachedError
+from kvcached.settings import format_size
+from kvcached.version import KVCACHED_VERSION
+
+OK: Final = 0
+FAILED: Final = 1  # the run could not do its job, or a check found what it looks for
+USAGE: Final = 2  # the command line itself is wrong
+INTERRUPTED: Final = 130
+
+__all__ = ["FAILED", "INTERRUPTED", "OK", "USAGE", "Parser", "format_size", "one_line", "plural", "run", "version"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's, but a usage error is one line (argparse prints the usage block first) and
+    names the ``--help`` to read; subparsers made from it inherit the behaviour."""
+
+    def error(self, message: str) -> NoReturn:
+        top = self.prog.split()[0]
+        hint = f"{self.prog} --help"
+        self.exit(USAGE, f"{top}: {' '.join(message.split())} (see {hint})\n")
+
+
+def version(tool: str) -> str:
+    """The ``--version`` line of ``tool``: one version for the package and its three tools."""
+    return f"{tool} (kvcached {KVCACHED_VERSION})"
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``1 page``, ``2 pages``, ``1,024 pages``; ``many`` for the irregular ones."""
+    word = noun if n == 1 else (many if many is not None else noun + "s")
+    return f"{n:,} {word}"
+
+
+def run(tool: str, body: Callable[[], int], *, debug_env: str, context: str = "") -> int:
+    """Runs ``body`` under the promise above and returns its exit code (for ``sys.exit``)."""
+    try:
+        return body()
+    except KvcachedError as exc:
+        print(f"{tool}: {one_line(exc)}", file=sys.stderr)
+        return FAILED
+    except BrokenPipeError:
+        # The reader went away (``| head``): not an error; keep Python's exit-time flush quiet.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OK
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{tool}: {where}{exc.strerror or one_line(exc)}", file=sys.stderr)
+        return FAILED
+    except Exception as exc:
+        if os.environ.get(debug_env) == "1":
+            raise
+        on = f" {context}" if context else ""
+        print(
+            f"{tool}: internal error{on}: {type(exc).__name__}: {one_line(exc)} "
+            f"(a bug: please report it; {debug_env}=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return FAILED
