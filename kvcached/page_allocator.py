@@ -76,6 +76,10 @@ class AllocatorState(msgspec.Struct, frozen=True, kw_only=True):
     mapped_bytes: int = 0
     in_use_bytes: int = 0
     reserved_bytes: int = 0
+    # Reserved pages the ledger does not let go yet (a pin keeps them); the rest of the reserve
+    # may be unmapped at the next trim. With in_use, the two split ``mapped`` without overlap,
+    # which is what a stacked dashboard panel needs.
+    held: int = 0
 
     def describe(self) -> str:
         sized = bool(self.page_bytes)
@@ -407,4 +411,5 @@ class PageAllocator:
             mapped_bytes=self.mapped * cost,
             in_use_bytes=len(self._in_use) * cost,
             reserved_bytes=len(self._reserved) * cost,
+            held=len(self._reserved) - len(self._goable),  # _goable <= _reserved
         )

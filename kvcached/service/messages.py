@@ -106,6 +106,20 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     vllm: str
     kvcached: str
     budget: str | None = None
+    # vLLM's engine index (its data-parallel rank, as ``PrometheusStatLogger`` labels its own series
+    # ``engine``): the metrics' ``engine`` label, so that kvcached's series join vLLM's.
+    index: int = 0
+    backend: str = ""  # the memory backend: cuda or host
+    page_size: int = 0  # bytes of one page of one layer (KVCACHED_PAGE_SIZE_MB)
+    compiled: bool = False  # the hot path runs mypyc-compiled
+
+
+class BudgetStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The memory budget an engine maps its pages within (``KVCACHED_BUDGET``)."""
+
+    name: str
+    size: int | None  # bytes; None: unbounded
+    used: int  # bytes granted to every engine on it
 
 
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,6 +134,8 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     shrink_pending: bool
     waiting_on: dict[str, int]  # what a pending shrink waits for -> pages
     reason: str  # one line: within the limit, or what the shrink waits on
+    held_pages: int = 0  # reserved pages a pin keeps mapped (the rest of the reserve may go)
+    budget: BudgetStatus | None = None
 
     @property
     def mapped_bytes(self) -> int:

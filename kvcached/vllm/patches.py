@@ -131,6 +131,15 @@ PATCHES: Final = (
         "setup is refused there, before an engine process exists; the API server's /metrics joins here",
         factory="kvcached.vllm.api_server.startup:wrap_create_engine_config",
     ),
+    Patch(
+        name="kvcached's series on a multiprocess /metrics", process="API server",
+        module="prometheus_client.multiprocess", owner="MultiProcessCollector", attrs=("collect",),
+        how=How.WRAPPED, when=When.PLUGIN_LOAD,
+        why="under --api-server-count N (cli/serve.py's setup_multiprocess_prometheus) /metrics is "
+        "prometheus_fastapi_instrumentator's expose route, which collects a new registry holding only a "
+        "MultiProcessCollector per scrape; kvcached's families join what it collects",
+        factory="kvcached.vllm.api_server.startup:wrap_multiprocess_collect",
+    ),
     # --- worker ------------------------------------------------------------------------------
     Patch(
         name="KV cache on kvcached pages", process="worker", module="vllm.v1.worker.utils", owner=None,

@@ -1,19 +1,33 @@
 """kvcached's series on vLLM's ``/metrics``, read from each engine core's live view at scrape time.
 
-vLLM serves ``/metrics`` from its API server process with ``prometheus_client``; the pages,
+vLLM serves ``/metrics`` from its API server processes with ``prometheus_client``; the pages,
 pins and violations live in the engine core processes. vLLM's route for a KV connector's own
 series (``KVConnectorBase.build_prom_metrics`` fed by ``get_kv_connector_stats``, which the
 OffloadingConnector uses for ``vllm:kv_offload_*``) exists only with a connector configured and
 would mean replacing the OffloadingConnector's class methods; kvcached runs without one too.
-So the API server registers one custom collector (``prometheus_client``'s documented way to
-expose values owned elsewhere) that, on each scrape, asks the engine cores this API server
+So each API server registers one custom collector (``prometheus_client``'s documented way to
+expose values owned elsewhere) that, on each scrape, asks the engine cores its ``vllm serve``
 started (found by ``EngineInfo.api_pid`` among the sockets in the live view's directory) for
-their ``status`` over the same socket ``kvctl`` uses. A scrape costs one round trip per engine,
-a few ms; nothing runs between scrapes, and an engine that does not answer in time is skipped
-for that scrape (``vllm:kvcached_engine_up`` 0), never failing vLLM's own series.
+their ``status`` over the socket ``kvctl`` uses: one round trip per engine, a few ms, nothing
+between scrapes. Under ``--api-server-count N`` vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` and
+``/metrics`` is answered by prometheus-fastapi-instrumentator's ``expose`` route, which builds a
+fresh registry per scrape holding only a ``MultiProcessCollector`` (the files every process
+writes): no registry lives long enough to register with, so the patch table wraps
+``MultiProcessCollector.collect`` in the API server to add this server's families.
 
-Names and labels follow vLLM's (``vllm:`` prefix, ``model_name`` and ``engine`` labels, base
-units, ``_total`` counters); docs/operating.md lists them.
+What an operator joins and alerts on (docs/operating.md lists every series):
+
+- labels are vLLM's: ``model_name`` and ``engine``, the engine index vLLM's own
+  ``PrometheusStatLogger`` puts on ``vllm:kv_cache_usage_perc``, so the two join on both; the
+  engine core's pid and socket are labels of ``vllm:kvcached_info`` only, so a restart does not
+  start new series for every gauge;
+- an engine that answered once and stops answering stays: ``engine_up`` 0 and its info series
+  (an absent series fires no alert);
+- ``violations_total`` has a series per invariant from the first scrape, at 0, so that
+  ``increase(...[5m]) > 0`` sees the first violation (a counter born at 1 is never an increase);
+- ``pages{state}`` partitions the engine's virtual pages, so one label's values sum to
+  ``capacity``: ``in_use`` (a block allocated), ``pinned`` (empty, kept mapped by a pin),
+  ``reserved`` (empty, mapped as a reserve, free to go) and ``unmapped``.
 """
 
 from __future__ import annotations
@@ -23,48 +37,104 @@ import os
 from collections.abc import Iterator
 from typing import Any, Final
 
+from ...ledger.findings import INVARIANTS
 from ...service import live, messages
 
 log = logging.getLogger("vllm.kvcached")
 
 SCRAPE_TIMEOUT: Final = 1.0  # seconds per engine: Prometheus' own scrape timeout is 10 s
-_installed: list[Any] = []
+PREFIX: Final = "vllm:kvcached_"
+LABELS: Final = ("model_name", "engine")
+PIN_KINDS: Final = ("job", "grace", "window")
+PAGE_STATES: Final = ("in_use", "pinned", "reserved", "unmapped")
+
+# name (after PREFIX) -> (type, help, labels beyond model_name and engine; the budget_* series
+# have only ``budget``: a budget is shared by engines). Counters are exposed with ``_total``.
+SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
+    "info": ("gauge", "1 per engine: kvcached's version and setup, the engine core's pid and socket",
+             ("version", "policy", "backend", "page_bytes", "compiled", "pid", "socket", "budget")),
+    "engine_up": ("gauge", "1 while the engine core's ledger service answers, 0 once it stops", ()),
+    "memory_limit_bytes": ("gauge", "The engine's KV memory limit (kvctl limit)", ()),
+    "capacity_bytes": ("gauge", "The KV memory vLLM sized its block table for (virtual)", ()),
+    "mapped_bytes": ("gauge", "KV memory mapped now (in use, pinned and reserved pages)", ()),
+    "pages": ("gauge", "Pages by state; the states partition the capacity", ("state",)),
+    "shrink_pending": ("gauge", "1 while the engine is over its limit, waiting for pages to empty", ()),
+    "shrink_waiting_pages": ("gauge", "Pages a pending shrink waits for, by what keeps them", ("reason",)),
+    "pinned_pages": ("gauge", "Pages kept by a pin, by pin kind (a page with two kinds counts twice)", ("kind",)),
+    "outstanding_jobs": ("gauge", "Offloading jobs built and not yet reported by every worker", ()),
+    "violations": ("counter", "Invariant violations the ledger saw", ("invariant",)),
+    "events": ("counter", "Ledger events the service took from the scheduler", ()),
+    "journal_events_written": ("counter", "Ledger events written to the journal", ()),
+    "events_dropped": ("counter", "Ledger events dropped by a full hand-off (journaled as gaps)", ()),
+    "page_maps": ("counter", "Pages mapped (each in every layer and worker)", ()),
+    "page_unmaps": ("counter", "Pages unmapped", ()),
+    "budget_size_bytes": ("gauge", "A shared budget's size (absent: unbounded)", ()),
+    "budget_used_bytes": ("gauge", "Bytes granted to every engine on a budget", ()),
+}
+
+
+def exposed_names() -> set[str]:
+    """Every series name a scrape can show, as Prometheus stores it (counters with ``_total``)."""
+    return {PREFIX + n + ("_total" if kind == "counter" else "") for n, (kind, _, _) in SERIES.items()}
+
+
+_collector: Collector | None = None
+_failed: list[BaseException] = []
 
 
 def install(api_pid: int) -> None:
-    """Registers the collector in this process's registry (once)."""
-    if _installed:
+    """Makes this API server's collector (once) and puts it where vLLM's ``/metrics`` reads;
+    ``api_pid`` is the ``vllm serve`` process that started the engines (``KVCACHED_SERVE_PID``,
+    inherited by the API servers it spawns), not necessarily this one."""
+    global _collector
+    if _collector is not None:
         return
+    collector = Collector(api_pid)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None:
+        try:
+            from prometheus_client import REGISTRY
+
+            REGISTRY.register(collector)
+        except Exception as exc:  # metrics are worth a warning, never a failed start
+            log.warning("[kvcached] metrics: not on /metrics: %s", exc)
+            return
+    # else: /metrics is a registry made per scrape around a MultiProcessCollector, whose collect
+    # the patch table wraps to add families() (see the module docstring).
+    _collector = collector
+    log.info("[kvcached] metrics: kvcached's series on the /metrics of API server pid %d", os.getpid())
+
+
+def families() -> list[Any]:
+    """This API server's kvcached families for a multiprocess scrape; none where there is no
+    collector (an engine core, a worker) or when collecting fails (logged once: vLLM's own series
+    must still be served)."""
+    collector = _collector
+    if collector is None:
+        return []
     try:
-        from prometheus_client import REGISTRY
-
-        registry = REGISTRY
-        try:  # vLLM's registry (a multiprocess one when it runs several API servers)
-            from vllm.v1.metrics.prometheus import get_prometheus_registry
-
-            registry = get_prometheus_registry()
-        except ImportError:
-            pass
-        collector = Collector(api_pid)
-        registry.register(collector)
-    except Exception as exc:  # metrics are worth a warning, never a failed start
-        log.warning("[kvcached] metrics: not registered with /metrics: %s", exc)
-        return
-    _installed.append(collector)
+        return list(collector.collect())
+    except Exception as exc:
+        if not _failed:
+            _failed.append(exc)
+            log.warning("[kvcached] metrics: kvcached's series are left out of /metrics: %s", exc)
+        return []
 
 
 class Collector:
-    """A ``prometheus_client`` collector of the engines started by API server ``api_pid``."""
+    """A ``prometheus_client`` collector of the engines started by ``vllm serve`` pid ``api_pid``."""
 
     def __init__(self, api_pid: int, folder: str | None = None) -> None:
         self.api_pid = api_pid
         self.folder = folder
         self._foreign: set[tuple[str, int]] = set()  # sockets (path, inode) of other servers' engines
+        self._known: dict[str, messages.EngineInfo] = {}  # socket -> the engine that answered there
 
     def describe(self) -> list[Any]:
         return []  # no fixed set: engines come and go (prometheus_client then skips the duplicate check)
 
-    def statuses(self) -> Iterator[messages.StatusReply]:
+    def poll(self) -> list[tuple[messages.EngineInfo, messages.StatusReply | None]]:
+        """Each engine of this server with its status; None for a known one that did not answer."""
+        answered: dict[str, messages.StatusReply] = {}
         for path in live.known_sockets(self.folder):
             try:
                 key = (path, os.stat(path).st_ino)
@@ -81,60 +151,69 @@ class Collector:
             if reply.engine.api_pid != self.api_pid:
                 self._foreign.add(key)
                 continue
-            yield reply
+            answered[path] = reply
+            self._known[path] = reply.engine
+        return [(info, answered.get(path)) for path, info in sorted(self._known.items(), key=_by_index)]
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        labels = ["model_name", "engine"]
-
-        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"vllm:kvcached_{name}", doc, labels=labels + (extra or []))
-
-        def counter(name: str, doc: str, extra: list[str] | None = None) -> CounterMetricFamily:
-            return CounterMetricFamily(f"vllm:kvcached_{name}", doc, labels=labels + (extra or []))
-
-        up = gauge("engine_up", "1 while the engine core's ledger service answers")
-        limit = gauge("memory_limit_bytes", "The engine's KV memory limit (kvctl limit)")
-        capacity = gauge("capacity_bytes", "The KV memory vLLM sized its block table for (virtual)")
-        mapped = gauge("mapped_bytes", "KV memory mapped now (in use and reserved pages)")
-        pages = gauge("pages", "Pages by state", ["state"])
-        pinned = gauge("pinned_pages", "Pages kept by a pin, by pin kind", ["kind"])
-        waiting = gauge("shrink_waiting_pages", "Pages a pending shrink waits for, by what keeps them", ["reason"])
-        jobs = gauge("outstanding_jobs", "Offloading jobs built and not yet reported by every worker")
-        violations = counter("violations", "Invariant violations the ledger saw", ["invariant"])
-        events = counter("events", "Ledger events the service took from the scheduler")
-        written = counter("journal_events_written", "Ledger events written to the journal")
-        dropped = counter("events_dropped", "Ledger events dropped by a full hand-off (journaled as gaps)")
-        maps = counter("page_maps", "Pages mapped (each in every layer and worker)")
-        unmaps = counter("page_unmaps", "Pages unmapped")
-        for st in self.statuses():
-            eng = st.engine
-            assert eng is not None
-            lv = [eng.model, str(eng.pid)]
-            up.add_metric(lv, 1)
+        made: dict[str, Any] = {}
+        for name, (kind, doc, extra) in SERIES.items():
+            labels = ["budget"] if name.startswith("budget_") else [*LABELS, *extra]
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            made[name] = cls(PREFIX + name, doc, labels=labels)
+        info, up, limit, capacity, mapped = (made[n] for n in ("info", "engine_up", "memory_limit_bytes",
+                                                              "capacity_bytes", "mapped_bytes"))
+        pages, shrink, waiting, pinned, jobs = (made[n] for n in ("pages", "shrink_pending", "shrink_waiting_pages",
+                                                                 "pinned_pages", "outstanding_jobs"))
+        violations, events, written, dropped, maps, unmaps = (made[n] for n in (
+            "violations", "events", "journal_events_written", "events_dropped", "page_maps", "page_unmaps"))
+        budget_size, budget_used = made["budget_size_bytes"], made["budget_used_bytes"]
+        budgets: dict[str, messages.BudgetStatus] = {}
+        for eng, st in self.poll():
+            lv = [eng.model, str(eng.index)]
+            info.add_metric([*lv, eng.kvcached, eng.policy, eng.backend, str(eng.page_size),
+                             "true" if eng.compiled else "false", str(eng.pid), eng.socket, eng.budget or ""], 1)
+            up.add_metric(lv, 0 if st is None else 1)
+            if st is None:
+                continue
             events.add_metric(lv, st.events)
             written.add_metric(lv, st.journal.events_written)
             dropped.add_metric(lv, st.handoff.dropped)
-            for inv, n in sorted(st.violations_by_invariant.items()):
-                violations.add_metric([*lv, inv], n)
-            for kind in ("job", "grace", "window"):
+            for inv in INVARIANTS:
+                violations.add_metric([*lv, inv], st.violations_by_invariant.get(inv, 0))
+            for kind in PIN_KINDS:
                 pinned.add_metric([*lv, kind], st.pinned_by_kind.get(kind, 0))
             if st.ledger is not None:
                 jobs.add_metric(lv, st.ledger.outstanding_jobs)
                 maps.add_metric(lv, st.ledger.maps)
                 unmaps.add_metric(lv, st.ledger.unmaps)
-                pages.add_metric([*lv, "pinned"], st.ledger.pinned_pages)
-                pages.add_metric([*lv, "releasable"], st.ledger.releasable_pages)
             m = st.memory
-            if m is not None:
-                limit.add_metric(lv, m.limit_bytes)
-                capacity.add_metric(lv, m.capacity_bytes)
-                mapped.add_metric(lv, m.mapped_bytes)
-                pages.add_metric([*lv, "mapped"], m.mapped_pages)
-                pages.add_metric([*lv, "in_use"], m.in_use_pages)
-                pages.add_metric([*lv, "reserved"], m.reserved_pages)
-                for reason, n in sorted(m.waiting_on.items()):
-                    waiting.add_metric([*lv, reason], n)
-        yield from (up, limit, capacity, mapped, pages, pinned, waiting, jobs, violations, events, written, dropped)
-        yield from (maps, unmaps)
+            if m is None:
+                continue
+            limit.add_metric(lv, m.limit_bytes)
+            capacity.add_metric(lv, m.capacity_bytes)
+            mapped.add_metric(lv, m.mapped_bytes)
+            for state, n in zip(PAGE_STATES, page_states(m), strict=True):
+                pages.add_metric([*lv, state], n)
+            shrink.add_metric(lv, 1 if m.shrink_pending else 0)
+            for reason, n in sorted(m.waiting_on.items()):
+                waiting.add_metric([*lv, reason], n)
+            if m.budget is not None:
+                budgets[m.budget.name] = m.budget
+        for name, b in sorted(budgets.items()):
+            if b.size is not None:
+                budget_size.add_metric([name], b.size)
+            budget_used.add_metric([name], b.used)
+        yield from made.values()
+
+
+def page_states(m: messages.MemoryStatus) -> tuple[int, int, int, int]:
+    """(in use, pinned, reserved, unmapped): disjoint, summing to the engine's virtual pages."""
+    held = min(m.held_pages, m.reserved_pages)
+    return (m.in_use_pages, held, m.reserved_pages - held, max(0, m.num_pages - m.mapped_pages))
+
+
+def _by_index(item: tuple[str, messages.EngineInfo]) -> tuple[int, str]:
+    return item[1].index, item[0]

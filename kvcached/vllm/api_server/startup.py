@@ -4,13 +4,17 @@
 starts from, in the API server's process, before any engine process exists: its replacement
 runs vLLM's, then ``checks.check_config``, which refuses an unsupported setup with one line
 (``SystemExit``: no traceback), names kvcached's OffloadingConnector for vLLM's connector factory
-(``name_connector``), then joins kvcached's series to vLLM's Prometheus registry.
+(``name_connector``), then joins kvcached's series to vLLM's Prometheus registry. Under
+``--api-server-count N`` every API server process runs it too (each builds its own config in
+``build_async_engine_client_from_engine_args``), and each gets the collector; the registry vLLM
+serves there is made later, by ``get_prometheus_registry``, whose wrapper adds the collector.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,12 +49,32 @@ def wrap_create_engine_config(original: Callable[..., Any], settings: Settings) 
         except ConfigError as e:
             refuse(str(e))
         name_connector(config.kv_transfer_config)
-        from . import metrics  # the API server's process: its /metrics gets kvcached's series
+        if getattr(self, "_api_process_rank", 0) == -1:
+            # vllm serve --api-server-count N's manager (cli/serve.py's run_multi_api_server sets
+            # rank -1): it serves no /metrics; the API servers it spawns each install their own.
+            return config
+        from . import metrics  # an API server's process: its /metrics gets kvcached's series
 
-        metrics.install(os.getpid())
+        # The engines name the first vllm serve process (plugin.register); a spawned API server
+        # inherits its pid in the environment.
+        root = os.environ.get("KVCACHED_SERVE_PID", "")
+        metrics.install(int(root) if root.isdigit() else os.getpid())
         return config
 
     return create_engine_config
+
+
+def wrap_multiprocess_collect(original: Callable[..., Any], _settings: Settings) -> Callable[..., Any]:
+    """``MultiProcessCollector.collect``, with kvcached's families added where this process made
+    the collector (an API server: ``create_engine_config`` ran here); elsewhere it adds nothing."""
+
+    @functools.wraps(original)
+    def collect(self: Any) -> list[Any]:
+        found = list(original(self))
+        metrics = sys.modules.get(f"{__package__}.metrics")  # imported by install(): API servers only
+        return found + metrics.families() if metrics is not None else found
+
+    return collect
 
 
 def serve_port(argv: list[str]) -> int | None:

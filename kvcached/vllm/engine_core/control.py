@@ -16,7 +16,9 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...service.messages import EngineInfo, MemoryStatus
+import msgspec
+
+from ...service.messages import BudgetStatus, EngineInfo, MemoryStatus
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -37,7 +39,17 @@ class LiveControl:
 
     def memory(self) -> MemoryStatus:
         with self.lock:
-            return self._status()
+            status = self._status()
+        # Read outside the lock: the budget is a file shared with other engines, and a step of
+        # this one must not wait on another's lock holder.
+        return self._with_budget(status)
+
+    def _with_budget(self, status: MemoryStatus) -> MemoryStatus:
+        budget = self.engine.budget
+        if budget is None:
+            return status
+        u = budget.usage()
+        return msgspec.structs.replace(status, budget=BudgetStatus(name=u.name, size=u.size, used=u.used))
 
     def set_limit(self, size: int | None) -> MemoryStatus:
         """Sets the memory limit to ``size`` bytes, rounded down to whole pages (None: no limit),
@@ -64,12 +76,27 @@ class LiveControl:
         return MemoryStatus(
             page_bytes=self.page_cost, num_pages=manager.allocator.num_pages, mapped_pages=st.mapped,
             in_use_pages=st.in_use, reserved_pages=st.reserved, limit_pages=st.limit,
-            shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason,
+            shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason, held_pages=st.held,
         )
 
 
+def engine_index(scheduler: Any) -> int:
+    """vLLM's index of this engine core: its data-parallel rank. ``EngineCoreProc`` gets it as
+    ``engine_index`` and ``run_engine_core`` stores it as ``parallel_config.data_parallel_index``
+    before building the engine (vLLM 0.32+; ``data_parallel_rank`` is reset to 0 for a non-MoE
+    model's independent ranks), and the API server's ``PrometheusStatLogger`` labels that engine's
+    series ``engine=str(index)``."""
+    parallel = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel, name, None)
+        if isinstance(value, int) and value >= 0:
+            return value
+    return 0
+
+
 def engine_info(
-    scheduler: Any, *, socket: str, policy: str, versions: dict[str, str], budget: str | None
+    scheduler: Any, *, socket: str, policy: str, versions: dict[str, str], budget: str | None,
+    backend: str = "", page_size: int = 0, compiled: bool = False,
 ) -> EngineInfo:
     """Who this engine core is, for ``kvctl list`` and the metrics' labels."""
     model = "?"
@@ -82,4 +109,5 @@ def engine_info(
         model=model, pid=os.getpid(), api_pid=int(api) if api and api.isdigit() else None,
         port=int(port) if port and port.isdigit() else None, socket=socket, started_unix=time.time(),
         policy=policy, vllm=versions.get("vllm", "?"), kvcached=versions.get("kvcached", "?"), budget=budget,
+        index=engine_index(scheduler), backend=backend, page_size=page_size, compiled=compiled,
     )

@@ -67,16 +67,17 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         budget_bytes=settings.budget_bytes,
     )
     engine = assemble(scheduler, geometry, backends, config, page_log=page_log)
+    slow = compiled_status()
     info = control.engine_info(
         scheduler, socket=socket, policy=settings.policy.value,
         versions={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
+        backend=backends[0].kind, page_size=geometry.page_bytes, compiled=slow is None,
     )
     live = control.LiveControl(engine, info, engine.page_bytes)
     engine.control = live
     if engine.service is not None:
         engine.service.service.control = live
     atexit.register(engine.close_logged)
-    slow = compiled_status()
     if slow is not None:
         log.warning("%s", slow)
     backend = backends[0]

