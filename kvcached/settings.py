@@ -163,6 +163,32 @@ MAX_RESERVED_BYTES: Final = Var(
     name="KVCACHED_MAX_RESERVED_BYTES", kind="size", default="0", high=MAX_SIZE,
     hint="a size such as 64M (0 or unset: KVCACHED_MAX_RESERVED_PAGES alone bounds the reserve)",
 )
+# The journal's disk, for a server that runs for weeks (kvcached/service/retention.py). The names
+# follow upstream's KVCACHED_MAX_<WHAT> (MAX_CACHED_TOKENS, MAX_RESERVED_PAGES) and this kvcached's
+# *_BYTES sizes. The bound is on by default: a journal is asked for with KVCACHED_LEDGER_JOURNAL,
+# and a busy engine writes a few GiB of it a day, so an unbounded default fills a disk in the
+# weeks nobody looks. 4 GiB holds hours of a busy engine's events (16 segments of the default
+# 256 MiB; each earlier run kept, KVCACHED_JOURNAL_KEEP_RUNS, is at most as large).
+MAX_JOURNAL_BYTES: Final = Var(
+    name="KVCACHED_MAX_JOURNAL_BYTES", kind="size", default="4G", high=MAX_SIZE,
+    hint="a size such as 4G or 512M for the journal's files of one run (4G by default, 0 for no bound)",
+)
+JOURNAL_SEGMENT_BYTES: Final = Var(
+    name="KVCACHED_JOURNAL_SEGMENT_BYTES", kind="size", default="256M", low=64 << 10, high=1 << 40,
+    hint="a size from 64K to 1T at which the journal starts its next segment, such as 256M (the default)",
+)
+JOURNAL_KEEP_RUNS: Final = Var(
+    name="KVCACHED_JOURNAL_KEEP_RUNS", kind="count", default="3", high=1000,
+    hint="a whole number of earlier runs' journals to keep, from 0 to 1000 (3 by default)",
+)
+JOURNAL_DURABILITY: Final = Var(
+    name="KVCACHED_JOURNAL_DURABILITY", kind="word", default="interval", words=("none", "interval", "batch"),
+    hint="none (never fsync), interval (fsync every second, the default) or batch (fsync every frame)",
+)
+MAX_DUMPS: Final = Var(
+    name="KVCACHED_MAX_DUMPS", kind="count", default="20", low=1, high=100_000,
+    hint="a whole number of flight-recorder dumps an engine keeps, from 1 to 100,000 (20 by default)",
+)
 SETTINGS: Final = (
     ENABLE,
     PAGE_SIZE,
@@ -178,6 +204,11 @@ SETTINGS: Final = (
     BUDGET,
     BUDGET_BYTES,
     MAX_RESERVED_BYTES,
+    MAX_JOURNAL_BYTES,
+    JOURNAL_SEGMENT_BYTES,
+    JOURNAL_KEEP_RUNS,
+    JOURNAL_DURABILITY,
+    MAX_DUMPS,
 )
 
 # Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
@@ -233,6 +264,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     budget: str | None = None  # KVCACHED_BUDGET: the shared budget's name; None: this engine alone
     budget_bytes: int = 0  # KVCACHED_BUDGET_BYTES; 0: as kvctl budget set it
     max_reserved_bytes: int = 0  # KVCACHED_MAX_RESERVED_BYTES; 0: the page count alone bounds it
+    max_journal_bytes: int = 4 << 30  # KVCACHED_MAX_JOURNAL_BYTES; 0: unbounded
+    journal_segment_bytes: int = 256 << 20  # KVCACHED_JOURNAL_SEGMENT_BYTES
+    journal_keep_runs: int = 3  # KVCACHED_JOURNAL_KEEP_RUNS
+    journal_durability: str = "interval"  # KVCACHED_JOURNAL_DURABILITY: none | interval | batch
+    max_dumps: int = 20  # KVCACHED_MAX_DUMPS
 
     @staticmethod
     def enabled_in(env: Mapping[str, str] | None = None) -> bool:
@@ -259,11 +295,26 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             budget=_text(e, BUDGET).strip() or None,
             budget_bytes=_count(e, BUDGET_BYTES),
             max_reserved_bytes=_count(e, MAX_RESERVED_BYTES),
+            max_journal_bytes=_count(e, MAX_JOURNAL_BYTES),
+            journal_segment_bytes=_count(e, JOURNAL_SEGMENT_BYTES),
+            journal_keep_runs=_count(e, JOURNAL_KEEP_RUNS),
+            journal_durability=_text(e, JOURNAL_DURABILITY),
+            max_dumps=_count(e, MAX_DUMPS),
         )
         if s.budget is not None and not BUDGET_NAME.fullmatch(s.budget):
             raise ConfigError(
                 f"KVCACHED_BUDGET={_show(s.budget)}: not a budget name; set letters, digits, '.', '_' or '-' "
                 "(at most 64, starting with a letter or digit)"
+            )
+        bound, segment = s.max_journal_bytes, s.journal_segment_bytes
+        if bound and bound < 2 * segment:
+            # One segment is being written; the other one's worth is room for the snapshot, whose
+            # size depends on the engine's geometry (the service checks it once it knows that).
+            raise ConfigError(
+                f"KVCACHED_MAX_JOURNAL_BYTES={format_size(bound)} is less than two segments of "
+                f"KVCACHED_JOURNAL_SEGMENT_BYTES={format_size(segment)} (the one being written and room for the "
+                f"snapshot); set KVCACHED_MAX_JOURNAL_BYTES to at least {format_size(2 * segment)} (0: no bound) "
+                "or a smaller KVCACHED_JOURNAL_SEGMENT_BYTES"
             )
         if s.min_reserved_pages > s.max_reserved_pages:
             raise ConfigError(

@@ -128,6 +128,7 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
         lock = threading.RLock()
         offloading = True
         wake = None
+        budget = None  # no KVCACHED_BUDGET
 
         def set_limit_bytes(self, n: int | None) -> None:
             manager.set_limit_pages(manager.geometry.num_pages if n is None else n // PAGE)

@@ -181,3 +181,43 @@ def test_with_kvcached_off_its_other_settings_do_not_stop_vllm(monkeypatch: pyte
     monkeypatch.setenv("ENABLE_KVCACHED", "maybe")
     with pytest.raises(SystemExit, match="ENABLE_KVCACHED"):
         plugin.register()
+
+
+def test_the_journal_and_dump_settings_read_strictly_and_reach_the_served_service() -> None:
+    from kvcached.service.ledger_service import Durability
+    from kvcached.vllm.engine_core.served import service_config
+
+    s = Settings.from_env({})
+    assert (s.max_journal_bytes, s.journal_segment_bytes, s.journal_keep_runs, s.journal_durability, s.max_dumps) == (
+        4 << 30, 256 << 20, 3, "interval", 20,
+    )
+    s = Settings.from_env({
+        "KVCACHED_LEDGER_JOURNAL": "/tmp/j", "KVCACHED_MAX_JOURNAL_BYTES": "1G",
+        "KVCACHED_JOURNAL_SEGMENT_BYTES": "64M", "KVCACHED_JOURNAL_KEEP_RUNS": "0",
+        "KVCACHED_JOURNAL_DURABILITY": "Batch", "KVCACHED_MAX_DUMPS": "5",
+    })
+    cfg = service_config(s, "/tmp/sock")
+    assert (cfg.max_bytes, cfg.rotate_bytes, cfg.keep_runs, cfg.durability, cfg.max_dumps) == (
+        1 << 30, 64 << 20, 0, Durability.BATCH, 5,
+    )
+    assert Settings.from_env({"KVCACHED_MAX_JOURNAL_BYTES": "0"}).max_journal_bytes == 0  # no bound
+    for name, raw, why in (
+        ("KVCACHED_JOURNAL_DURABILITY", "always", "not one of none, interval, batch"),
+        ("KVCACHED_JOURNAL_SEGMENT_BYTES", "1K", "out of range"),
+        ("KVCACHED_MAX_DUMPS", "0", "out of range"),
+        ("KVCACHED_JOURNAL_KEEP_RUNS", "-1", "out of range"),
+        ("KVCACHED_JOURNAL_KEEP_RUNS", "2.5", "not a whole number"),
+        ("KVCACHED_MAX_JOURNAL_BYTES", "4 gigs", "not a size"),
+    ):
+        message = refusal({name: raw})
+        one_line_naming(message, name, raw)
+        assert why in message, message
+
+
+def test_a_journal_bound_below_two_segments_is_refused_in_one_line_naming_both() -> None:
+    message = refusal({"KVCACHED_MAX_JOURNAL_BYTES": "300M"})
+    assert "\n" not in message, message
+    assert "KVCACHED_MAX_JOURNAL_BYTES=300 MiB" in message and "KVCACHED_JOURNAL_SEGMENT_BYTES=256 MiB" in message
+    assert "at least 512 MiB" in message
+    small = {"KVCACHED_MAX_JOURNAL_BYTES": "300M", "KVCACHED_JOURNAL_SEGMENT_BYTES": "150M"}
+    assert Settings.from_env(small).max_journal_bytes == 300 << 20

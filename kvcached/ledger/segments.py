@@ -13,6 +13,10 @@ recorder's or kvreplay's trace) is a journal of one file: nothing beside it is r
 segment ``P.k`` the reader reads the journal it belongs to, from ``P``: the events of a segment
 that starts mid-run mean nothing to a fresh ledger, so reading it alone would report false
 violations; ``start`` (a snapshot's index) skips the segments that end before it unread.
+A service with a size bound deletes the segments before its snapshot's and says so in the header
+of every segment it writes after (``pruned_below``): only that note lets a journal start at a
+segment other than ``P`` when ``P`` is named, and the segments below it that a pruning cut short
+left behind are no part of the journal; a segment missing without the note is lost events.
 Snapshots are msgpack ``LedgerSnapshot`` values; they are read from regular files only, bounded
 by the file's size, and written under a fresh name, then installed without replacing a file
 the writer did not make (:mod:`kvcached.ledger.files`).
@@ -39,6 +43,9 @@ from .state import LedgerSnapshot
 
 SEGMENT_KEY: Final = "segment"  # header meta: the segment's number, as a decimal string
 FIRST_EVENT_KEY: Final = "first_event"  # header meta: global index of the segment's first event
+# header meta: the journal's size bound deleted every segment below this number (its snapshot
+# starts in this one or later); the newest segment's header carries the latest value
+PRUNED_KEY: Final = "pruned_below"
 SNAPSHOT_SUFFIX: Final = ".snap"
 # More digits than any event count can have: a longer "number" is damage, not an index.
 _MAX_DIGITS: Final = 19
@@ -53,9 +60,11 @@ def snapshot_path(base: str) -> str:
     return base + SNAPSHOT_SUFFIX
 
 
-def segment_header(header: Header, k: int, first_event: int) -> Header:
+def segment_header(header: Header, k: int, first_event: int, pruned_below: int = 0) -> Header:
     """The header of segment ``k``: ``header`` with the segment's meta and a creation time."""
     meta = {**header.meta, SEGMENT_KEY: str(k), FIRST_EVENT_KEY: str(first_event)}
+    if pruned_below:
+        meta[PRUNED_KEY] = str(pruned_below)
     return msgspec.structs.replace(header, meta=meta, created_unix=header.created_unix or time.time())
 
 
@@ -118,11 +127,20 @@ class RotatedJournal:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        self.base = self.path
+        self.standalone = False  # a segment whose siblings are not named after it (copied, renamed)
+        self.pruned_below = 0  # segments below this one were deleted by the writer's size bound
+        self.given: int | None
+        self.segments: list[Segment]
+        pruned = self._pruned_start() if not os.path.lexists(self.path) else None
+        if pruned is not None:  # P itself was pruned: the journal starts at the segment the note names
+            self.given = 0
+            self.segments = self._discover(*pruned)
+            self._finish()
+            return
         header = read_header(self.path)
         self.given = _meta_int(self.path, header, SEGMENT_KEY)
         first = _meta_int(self.path, header, FIRST_EVENT_KEY) or 0
-        self.base = self.path
-        self.standalone = False  # a segment whose siblings are not named after it (copied, renamed)
         if self.given is None:
             self.segments = [Segment(0, self.path, 0)]
         else:
@@ -133,7 +151,12 @@ class RotatedJournal:
             else:
                 self.base = self.path[: -len(suffix)] if self.given else self.path
                 self.segments = self._discover(Segment(self.given, self.path, first), header)
-        self.header = header if self.segments[0].path == self.path else read_header(self.segments[0].path)
+        self._finish(header)
+
+    def _finish(self, header: Header | None = None) -> None:
+        self.header = header if header is not None and self.segments[0].path == self.path else (
+            read_header(self.segments[0].path)
+        )
         self.first_event = self.segments[0].first_event
         self.read: list[tuple[Segment, int]] = []
         self.events_read = self.first_event
@@ -153,9 +176,9 @@ class RotatedJournal:
                 total += os.path.getsize(s.path)
         return total
 
-    def _numbers(self, given: int) -> set[int]:
+    def _numbers(self, given: int | None) -> set[int]:
         folder, name = os.path.split(self.base)
-        found = {given}
+        found = set() if given is None else {given}
         try:
             entries = os.listdir(folder or ".")
         except OSError:  # a folder that may be searched but not listed: probe the names in turn
@@ -171,8 +194,51 @@ class RotatedJournal:
                 found.add(number)
         return found
 
+    def _pruned_start(self) -> tuple[Segment, Header] | None:
+        """The first segment of a journal whose ``P`` is gone, when its newest segment says that the
+        writer's size bound deleted the segments before that one; None when ``P`` has no numbered
+        siblings (then ``P`` is simply missing). Without the note the head is lost: an error."""
+        numbers = sorted(self._numbers(None))
+        if not numbers:
+            return None
+        top = segment_path(self.base, numbers[-1])
+        pruned = _meta_int(top, read_header(top), PRUNED_KEY)
+        if not pruned:
+            have = ", ".join(segment_path(self.base, n) for n in numbers[:3]) + (" ..." if len(numbers) > 3 else "")
+            what = f"missing, and no segment says the journal's size bound deleted it (there are {have}): events lost"
+            raise JournalError(self.path, 0, what)
+        path = segment_path(self.base, pruned)
+        if pruned not in numbers:
+            what = (
+                f"segment {pruned} of the rotated journal {self.base} is missing (its size bound deleted the "
+                f"segments before it, not it): events lost"
+            )
+            raise JournalError(path, 0, what)
+        header = read_header(path)
+        return Segment(pruned, path, _meta_int(path, header, FIRST_EVENT_KEY) or 0), header
+
     def _discover(self, given: Segment, header: Header) -> list[Segment]:
         numbers = sorted(self._numbers(given.number))
+        top = segment_path(self.base, numbers[-1])
+        pruned = _meta_int(top, header if numbers[-1] == given.number else read_header(top), PRUNED_KEY) or 0
+        if pruned > numbers[-1]:
+            raise JournalError(top, PREAMBLE_SIZE, f"its header says segments below {pruned} were deleted, past itself")
+        if pruned:
+            if given.number < pruned:
+                what = (
+                    f"the journal's size bound deleted segments below {pruned} of {self.base} (its newest segment "
+                    f"says so): this one is left over; read {segment_path(self.base, pruned)}"
+                )
+                raise JournalError(given.path, PREAMBLE_SIZE, what)
+            # Segments below the note are what a pruning cut short left: no part of the journal.
+            numbers = [n for n in numbers if n >= pruned]
+            if numbers[0] != pruned:
+                what = (
+                    f"segment {pruned} of the rotated journal {self.base} is missing (its size bound deleted the "
+                    f"segments before it, not it): events lost"
+                )
+                raise JournalError(segment_path(self.base, pruned), 0, what)
+            self.pruned_below = pruned
         segments: list[Segment] = []
         for k in range(numbers[0], numbers[-1] + 1):
             path = segment_path(self.base, k)

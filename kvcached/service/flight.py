@@ -111,27 +111,31 @@ def dump_name(folder: str, pid: int, reason: str) -> str:
     return os.path.join(folder, f"flight-{pid}-{stamp}-{tag}{DUMP_SUFFIX}")
 
 
-def _write_file(path: str, body: bytes, *, replace: bool) -> None:
+def _write_file(path: str, body: bytes, *, replace: bool) -> FileId:
     """``body`` at ``path``, on disk when this returns; a regular file already there is replaced
-    only if ``replace`` (kvctl's ``-o``), anything else is refused."""
+    only if ``replace`` (kvctl's ``-o``), anything else is refused. Returns the file's id."""
     st = lstat(path)
     if st is not None and not replace:
         raise FileExistsError(f"{path}: exists already; not replacing it")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise IsADirectoryError(f"{path}: {kind(st.st_mode)}, not a regular file; not writing there")
-    write_whole(path, body, sync=True, replacing=None if st is None else FileId.of(st))
+    return write_whole(path, body, sync=True, replacing=None if st is None else FileId.of(st))
+
+
+def write_dump_files(dump: DumpReply, path: str, *, replace: bool = False) -> list[tuple[str, FileId]]:
+    """Writes ``dump`` as ``path`` (and ``path.snap``); returns the files written with their ids
+    (what the service later checks before it deletes an old dump). The snapshot goes first, so
+    that a journal that needs one is never there without it."""
+    written = []
+    if dump.snapshot is not None:
+        written.append((snapshot_path(path), _write_file(snapshot_path(path), dump.snapshot, replace=replace)))
+    written.append((path, _write_file(path, dump.journal, replace=replace)))
+    return written
 
 
 def write_dump(dump: DumpReply, path: str, *, replace: bool = False) -> list[str]:
-    """Writes ``dump`` as ``path`` (and ``path.snap``); returns the files written. The snapshot
-    goes first, so that a journal that needs one is never there without it."""
-    written = []
-    if dump.snapshot is not None:
-        _write_file(snapshot_path(path), dump.snapshot, replace=replace)
-        written.append(snapshot_path(path))
-    _write_file(path, dump.journal, replace=replace)
-    written.append(path)
-    return written
+    """:func:`write_dump_files`, the names alone."""
+    return [name for name, _ in write_dump_files(dump, path, replace=replace)]
 
 
 def make_dump_dir(folder: str) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import enum
 import logging
 import os
 import sys
@@ -37,12 +36,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import BinaryIO, Final, Literal
 
 import anyio
+import msgspec
 
-from kvcached.errors import ConfigError, JournalWriteError, KvcachedError
+from kvcached.errors import JournalWriteError, KvcachedError
 from kvcached.ledger.events import Event, Gap, Header
 from kvcached.ledger.files import FileId, create_temp, discard, fsync_dir, install
 from kvcached.ledger.journal import JournalWriter, encode_batch
@@ -50,52 +49,16 @@ from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.segments import segment_header, segment_path, snapshot_path, write_snapshot
 from kvcached.ledger.state import LedgerSnapshot
 from kvcached.service import journal_files
-from kvcached.service.flight import FlightRecorder, default_dump_dir, dump_name, make_dump_dir, write_dump
+from kvcached.service.config import Durability as Durability  # re-exported: where callers have it from
+from kvcached.service.config import ServiceConfig as ServiceConfig
+from kvcached.service.flight import FlightRecorder, default_dump_dir, dump_name, make_dump_dir, write_dump_files
 from kvcached.service.live import LiveServer
 from kvcached.service.messages import DumpReply, EngineControl, FlightStatus, HandoffStatus, JournalStatus
+from kvcached.service.retention import MAX_BYTES_VAR, DumpRetention, JournalBound, Written, check_bound
 
 log = logging.getLogger("kvcached.service.ledger_service")
 
 _IDLE_MAX: Final = 0.1  # longest idle sleep: how stale the live view and the journal get at a trickle
-
-
-class Durability(enum.Enum):
-    NONE = "none"  # write, never fsync: the kernel decides when the disk sees it
-    INTERVAL = "interval"  # fsync at most every ``fsync_interval`` seconds
-    BATCH = "batch"  # fsync after every frame, before it is reported durable
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ServiceConfig:
-    journal: str | None = None  # base path P; None: no journal (live view only)
-    durability: Durability = Durability.INTERVAL
-    fsync_interval: float = 1.0
-    capacity: int = 1 << 16  # events the hand-off holds before the producer drops
-    batch_events: int = 8192  # most events per frame
-    flush_interval: float = 0.01  # a trickle of events waits at most this long (after activity)
-    rotate_bytes: int = 256 << 20  # 0: never rotate
-    snapshot_every: int = 1_000_000  # events between snapshots; 0: never
-    replica: bool = True  # False: no snapshots and no pins view, one apply less per event
-    socket: str | None = None  # live view socket; None: no live view
-    live_queue: int = 256  # batches queued per tail client before it counts as stopped reading
-    on_durable: Callable[[int], None] | None = None  # gets the durable event count, on the loop; never raise
-    keep_runs: int = 3  # earlier runs' journals kept beside it (P.run<N>, ...); 0: the previous run's is deleted
-    flight_events: int = 0  # the flight recorder keeps at least this many latest events; 0: off
-    dump_dir: str | None = None  # where the flight recorder saves itself; None: $XDG_STATE_HOME/kvcached
-
-    def __post_init__(self) -> None:
-        try:  # the string a setting or a caller gives is accepted too
-            object.__setattr__(self, "durability", Durability(self.durability))
-        except ValueError:
-            raise ConfigError(f"ledger service: durability {self.durability!r}: use none, interval or batch") from None
-        bad = [f"{k}={getattr(self, k)}" for k in ("capacity", "batch_events", "live_queue") if getattr(self, k) < 1]
-        bad += [f"{k}={getattr(self, k)}" for k in ("fsync_interval", "flush_interval") if getattr(self, k) <= 0]
-        nonneg = ("rotate_bytes", "snapshot_every", "keep_runs", "flight_events")
-        bad += [f"{k}={getattr(self, k)}" for k in nonneg if getattr(self, k) < 0]
-        if bad:
-            raise ConfigError(f"ledger service: {', '.join(bad)}: out of range")
-        if self.snapshot_every and not self.replica:
-            raise ConfigError("ledger service: snapshots need the replica (replica=True or snapshot_every=0)")
 
 
 # --- the hand-off ---------------------------------------------------------------------------
@@ -212,6 +175,10 @@ class LedgerService:
         self._violations_seen = 0
         self._dumped_invariants: set[str] = set()
         self._dump_requests: collections.deque[tuple[str, threading.Event, list[str]]] = collections.deque()
+        self._kept_dumps = DumpRetention(cfg.max_dumps)
+        self._bound = JournalBound(cfg.max_bytes, cfg.rotate_bytes)
+        if cfg.journal and cfg.max_bytes and self.replica is not None:
+            check_bound(cfg.max_bytes, cfg.rotate_bytes, len(msgspec.msgpack.encode(self.replica.snapshot())))
 
     # --- control, from any thread -------------------------------------------------------------
 
@@ -227,7 +194,9 @@ class LedgerService:
         return JournalStatus(
             state=self._state, path=self.config.journal, durability=self.config.durability.value, segment=self._segment,
             segment_bytes=size, events_written=self._written, events_durable=self._durable,
-            snapshot_index=self._snap_index, error=self._error,
+            snapshot_index=self._snap_index, error=self._error, max_bytes=self.config.max_bytes,
+            kept_bytes=self._bound.kept_bytes(size if w is not None else None), first_segment=self._bound.pruned_below,
+            pruned_segments=self._bound.pruned_segments, pruned_bytes=self._bound.pruned_bytes,
         )
 
     def handoff_status(self) -> HandoffStatus:
@@ -360,10 +329,26 @@ class LedgerService:
             listener(first, payload)
         if self._writer is not None:
             await self._disk(self._append, payload, len(batch))
+        if self._writer is not None and 0 < self.config.rotate_bytes <= self._writer.bytes_written:
+            await self._rotate()
         every = self.config.snapshot_every
         due = every and self.index - (self._snap_index or 0) >= every
         if due and self._writer is not None and self.replica is not None:
             await self._disk(self._write_snapshot, self.replica.snapshot())
+
+    async def _rotate(self) -> None:
+        """Closes the segment and opens the next; under a size bound, first decides which segments
+        go (retention.py) and takes the snapshot that lets them go, on the loop that owns the replica."""
+        assert self._writer is not None
+        cut, snapshot = self._bound.plan(self._snap_index, self.index, self._writer.bytes_written)
+        snap = None
+        if snapshot:
+            if self.replica is None:
+                what = f"the journal reached {MAX_BYTES_VAR}={self.config.max_bytes} and, without the replica, "
+                self._stop_journal(JournalWriteError(what + "no snapshot can be taken to delete its oldest segments"))
+                return
+            snap = self.replica.snapshot()
+        await self._disk(self._next_segment, cut, snap)
 
     async def _on_violations(self) -> None:
         """The first violation of each invariant saves the flight recorder, with one log line
@@ -391,16 +376,20 @@ class LedgerService:
         folder = self.config.dump_dir or default_dump_dir()
         path = dump_name(folder, os.getpid(), tag or reason)
 
-        def write() -> list[str]:
+        def write() -> tuple[list[str], list[str], list[str]]:
             make_dump_dir(folder)
-            return write_dump(dump, path)
+            files = write_dump_files(dump, path)
+            return [f for f, _ in files], *self._kept_dumps.add(files)
 
         try:
-            written = await anyio.to_thread.run_sync(write)
+            written, gone, left = await anyio.to_thread.run_sync(write)
         except OSError as exc:
             log.error("kvcached: the flight recorder could not be saved to %s: %s", path, exc.strerror or exc)
             return None
-        self.dumps.append(path)
+        self.dumps = [d for d in self.dumps if d not in gone] + [path]
+        if left:
+            log.warning("kvcached: older flight-recorder dumps not deleted, as they are no longer the files it "
+                        "wrote: %s", ", ".join(left))
         log.error(
             "kvcached: flight recorder (%s): the last %d events saved to %s; replay with: kvreplay check %s",
             reason, dump.events, written[-1], path,
@@ -427,6 +416,7 @@ class LedgerService:
             if w is not None:  # leave a journal that reads cleanly up to its last whole frame
                 w.truncate_to_last_frame()
                 w.close()
+                self._bound.closed(w.bytes_written)
 
     # --- disk work, in a worker thread (the loop awaits it, so state needs no lock) ------------
 
@@ -444,11 +434,11 @@ class LedgerService:
         if self._start is not None:  # a journal that starts mid-run is replayable only from it
             self._write_snapshot(self._start)
 
-    def _open_segment(self, k: int) -> JournalWriter:
+    def _open_segment(self, k: int, pruned_below: int = 0) -> JournalWriter:
         base = self.config.journal
         assert base is not None
         path = segment_path(base, k)
-        header = segment_header(self.header, k, self.index)
+        header = segment_header(self.header, k, self.index, pruned_below)
         # A fresh file under an unpredictable name, given the segment's name only once its
         # header is written, and never over a file that already has that name.
         tmp, file = _open_segment_file(path)
@@ -458,6 +448,7 @@ class LedgerService:
             if self.config.durability is not Durability.NONE:
                 writer.fsync()
             install(tmp, path)
+            self._bound.opened(k, self.index, Written.of(path, FileId.of(os.fstat(file.fileno()))))
         except BaseException as exc:
             file.close()
             discard(tmp)
@@ -480,12 +471,25 @@ class LedgerService:
         dur = self.config.durability
         if dur is Durability.BATCH or (dur is Durability.INTERVAL and time.monotonic() >= self._next_fsync):
             self._fsync()
-        if self.config.rotate_bytes and w.bytes_written >= self.config.rotate_bytes:
-            if self._dirty:
-                self._fsync()  # a segment is complete on disk before the next one appears
-            w.close()
-            self._writer = None  # a failure below leaves journaling off, not a closed writer
-            self._writer = self._open_segment(self._segment + 1)
+
+    def _next_segment(self, cut: int | None, snap: LedgerSnapshot | None) -> None:
+        w = self._writer
+        assert w is not None
+        if self._dirty:
+            self._fsync()  # a segment is complete on disk before the next one appears
+        w.close()
+        self._writer = None  # a failure below leaves journaling off, not a closed writer
+        self._bound.closed(w.bytes_written)
+        if snap is not None:  # at the new segment's first event: every closed segment may go
+            self._write_snapshot(snap)
+        # The note is in the new header before anything is deleted: a crash between the two leaves
+        # leftovers the reader skips, never a journal whose start it cannot tell from lost events.
+        self._writer = self._open_segment(self._segment + 1, cut or self._bound.pruned_below)
+        if cut is not None:
+            left = self._bound.prune(cut)
+            if left:
+                log.warning("kvcached: journal segments not deleted, as they are no longer the files it wrote "
+                            "(no longer counted against %s): %s", MAX_BYTES_VAR, ", ".join(left))
 
     def _fsync(self) -> None:
         w = self._writer
@@ -507,6 +511,8 @@ class LedgerService:
         # the snapshot this service wrote before, never over a file it did not write.
         self._snap_id = write_snapshot(snapshot_path(base), snap, sync=sync, replacing=self._snap_id)
         self._snap_index = snap.index
+        st = os.stat(snapshot_path(base), follow_symlinks=False)
+        self._bound.snapshot_bytes = st.st_size if FileId.of(st) == self._snap_id else 0
 
     def _close_journal(self) -> None:
         w = self._writer
@@ -515,6 +521,7 @@ class LedgerService:
             w.close()
             self._writer = None
             self._state = "closed"
+            self._bound.closed(w.bytes_written)
 
 
 def _open_segment_file(near: str) -> tuple[str, BinaryIO]:

@@ -65,6 +65,13 @@ class JournalStatus(msgspec.Struct, frozen=True, kw_only=True):
     events_durable: int  # global index after the last event known fsynced
     snapshot_index: int | None
     error: str | None
+    # The size bound (KVCACHED_MAX_JOURNAL_BYTES; 0: none) and what it did: this run's journal
+    # bytes now (segments and snapshot), the first segment kept, the segments and bytes deleted.
+    max_bytes: int = 0
+    kept_bytes: int = 0
+    first_segment: int = 0
+    pruned_segments: int = 0
+    pruned_bytes: int = 0
 
 
 class HandoffStatus(msgspec.Struct, frozen=True, kw_only=True):

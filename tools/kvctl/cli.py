@@ -153,6 +153,11 @@ def cmd_status(path: str, args: argparse.Namespace, out: TextIO) -> int:
         )
         if j.snapshot_index is not None:
             journal += f"; snapshot at event {j.snapshot_index}"
+        if j.max_bytes:
+            journal += f"; {_mib(j.kept_bytes)} kept of a {_mib(j.max_bytes)} bound"
+        if j.pruned_segments:
+            journal += f" ({j.pruned_segments} older segment(s), {_mib(j.pruned_bytes)}, deleted: from segment "
+            journal += f"{j.first_segment} on)"
         if j.error:
             journal += f"; error: {j.error}"
     h = s.handoff

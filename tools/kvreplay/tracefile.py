@@ -122,7 +122,7 @@ class Trace:
     def segments_note(self) -> str | None:
         """Which segments the trace has and which were read; None for a trace of one file read whole."""
         j = self.journal
-        if len(j.segments) == 1 and not j.given:
+        if len(j.segments) == 1 and not j.given and not j.pruned_below:
             return None
         seg = j.segments
         if j.standalone:
@@ -130,6 +130,8 @@ class Trace:
         else:
             whole = f"segment {j.given} of the rotated journal {j.base}, which has" if j.given else "a journal of"
             head = f"{whole} {len(seg)} segment(s) ({names(seg)})"
+            if j.pruned_below:  # the head is gone by design, not lost: the segments say so
+                head += f", segments 0 to {j.pruned_below - 1} deleted by its writer's size bound"
         read = [s for s, _ in j.read]
         if read == seg:
             return f"{head}; read all" if len(seg) > 1 else head

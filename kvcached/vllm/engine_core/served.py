@@ -21,7 +21,7 @@ from typing import Any
 
 from ...errors import KvcachedError
 from ...ledger.compiled import compiled_status
-from ...service.ledger_service import ServiceConfig
+from ...service.ledger_service import Durability, ServiceConfig
 from ...service.live import default_socket_path
 from ...settings import Settings
 from ...version import KVCACHED_VERSION
@@ -46,6 +46,11 @@ def service_config(settings: Settings, socket: str) -> ServiceConfig:
         socket=socket,
         flight_events=settings.flight_recorder_events,
         dump_dir=settings.dump_dir,
+        durability=Durability(settings.journal_durability),
+        rotate_bytes=settings.journal_segment_bytes,
+        keep_runs=settings.journal_keep_runs,
+        max_bytes=settings.max_journal_bytes,
+        max_dumps=settings.max_dumps,
     )
 
 
