@@ -2,7 +2,8 @@
 # The release as a user gets it: `python -m build` makes the sdist and, from it, the wheel; the wheel is installed
 # (not editable, with the `replay` extra) into a fresh venv and the tools run from there: kvreplay checks a golden
 # trace, kvsim and kvctl answer. Twice: with the C compiler (the hot path must be compiled) and with it hidden
-# (CC=false: the build must fall back to pure Python with one loud line, and still install and run).
+# (CC=false: the build must fall back to pure Python with one loud line, and still install and run). The compiled
+# pass also runs the sdist's own tests (the torch- and vLLM-free ones) against the installed wheel.
 #   check-wheel.sh            both builds
 #   check-wheel.sh compiled   or: pure
 set -euo pipefail
@@ -55,6 +56,9 @@ assert (slow is None) == (name == "compiled"), (name, slow)
 print(f"check-wheel: {name}: {'compiled' if slow is None else 'pure Python'}, wheel {len(files)} files")
 PY
     )
+    if [ "$name" = compiled ]; then
+        sdist_tests "$out" "$sdist" || return 1
+    fi
     if [ "$name" = pure ]; then
         grep -q "kvcached: building pure Python" "$out/build.log" || {
             echo "check-wheel: pure: the build did not say it fell back to pure Python" >&2
@@ -62,6 +66,25 @@ PY
         }
     fi
     echo "check-wheel: $name: built in ${built} s, wheel $(du -k "$whl" | cut -f1) KiB, installed and ran in $((SECONDS - t0 - built)) s"
+}
+
+sdist_tests() {  # sdist_tests OUT SDIST: the sdist's own tests (those needing neither torch nor vLLM) against the
+    # installed wheel: pytest's script, not `python -m pytest`, so that the unpacked source is not on sys.path, and
+    # KVCACHED_EXPECT_COMPILED=1 so that the session fails if anything but the compiled wheel was imported.
+    local out=$1 sdist=$2 t0=$SECONDS src
+    mkdir -p "$out/src"
+    tar -xzf "$sdist" -C "$out/src"
+    src=$(ls -d "$out"/src/*/)
+    "$out/venv/bin/python" -m pip install -q "pytest>=8" "pytest-asyncio>=0.23" "hypothesis>=6.100" "pyyaml>=6" \
+        >>"$out/install.log" 2>&1 || { cat "$out/install.log" >&2; return 1; }
+    (cd "$src" && KVCACHED_EXPECT_COMPILED=1 "$out/venv/bin/pytest" -q -p no:cacheprovider -m "not vllm and not gpu" \
+        --ignore=tests/serve --ignore=tests/vllm_scheduler --ignore=tests/vllm_upstream --ignore=tests/gpu \
+        --ignore=tests/test_backend_host.py --ignore=tests/test_kv_cache_manager.py tests >"$out/sdist-tests.log" 2>&1) || {
+        tail -30 "$out/sdist-tests.log" >&2
+        echo "check-wheel: the sdist's tests failed against the installed wheel" >&2
+        return 1
+    }
+    echo "check-wheel: the sdist's tests against the wheel: $(tail -1 "$out/sdist-tests.log" | tr -d '=') in $((SECONDS - t0)) s"
 }
 
 case ${1:-both} in

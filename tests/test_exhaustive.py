@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 from test_ledger_model import Expected, NaiveModel, assert_agrees, round_trip
 
+from kvcached.ledger import ledger as ledger_module
 from kvcached.ledger.events import (
     BlockAlloc,
     BlockFree,
@@ -116,6 +117,10 @@ def test_every_legal_sequence_up_to_k_agrees_with_the_model(policy: Policy, work
     assert explore(policy, workers, CI_K) > 0
 
 
+@pytest.mark.skipif(
+    ledger_module.__file__.endswith((".so", ".pyd")),
+    reason="plants the bug by replacing a Ledger method, which a mypyc-compiled class refuses; the pure pass runs it",
+)
 def test_the_search_finds_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     # The ledger forgetting that a job pins its pages (the freed-block copy's cause) must show
     # within k = 4: alloc, store job, free, then the page is releasable too early.
