@@ -34,6 +34,7 @@ from kvcached.errors import (
     UnsupportedVersionError,
 )
 from kvcached.ledger.events import (
+    FORMAT_VERSION,
     BlockAlloc,
     BlockFree,
     BuildBoundary,
@@ -112,7 +113,7 @@ def frame(payload: bytes) -> bytes:
     return first + struct.pack("<I", zlib.crc32(first)) + payload
 
 
-def preamble(version: int = 1, flags: int = 0) -> bytes:
+def preamble(version: int = FORMAT_VERSION, flags: int = 0) -> bytes:
     return b"KVCLEDGR" + struct.pack("<HHI", version, flags, 0)
 
 
@@ -242,9 +243,9 @@ HEADER_END = 16 + 12 + len(msgspec.msgpack.encode(HEADER))
         pytest.param(GOOD[:16], TruncatedJournalError, 16, id="no-header-frame"),
         pytest.param(GOOD[:20], TruncatedJournalError, 20, id="inside-header-frame-head"),
         pytest.param(GOOD[: HEADER_END - 1], TruncatedJournalError, HEADER_END - 1, id="header"),
-        pytest.param(preamble(2) + GOOD[16:], UnsupportedVersionError, 8, id="newer-version"),
+        pytest.param(preamble(FORMAT_VERSION + 1) + GOOD[16:], UnsupportedVersionError, 8, id="newer-version"),
         pytest.param(preamble(0) + GOOD[16:], UnsupportedVersionError, 8, id="version-0"),
-        pytest.param(preamble(1, 4) + GOOD[16:], UnsupportedVersionError, 10, id="flags"),
+        pytest.param(preamble(FORMAT_VERSION, 4) + GOOD[16:], UnsupportedVersionError, 10, id="flags"),
     ],
 )
 def test_bad_start(tmp_path: Path, data: bytes, error: type[JournalError], offset: int) -> None:
@@ -257,10 +258,29 @@ def test_bad_start(tmp_path: Path, data: bytes, error: type[JournalError], offse
 
 
 def test_newer_version_message() -> None:
-    with pytest.raises(
-        UnsupportedVersionError, match="written by a newer kvcached: format version 2, this reader reads up to 1"
-    ):
-        read_bytes(preamble(2) + GOOD[16:])
+    newer, mine = FORMAT_VERSION + 1, FORMAT_VERSION
+    message = f"written by a newer kvcached: format version {newer}, this reader reads up to {mine}"
+    with pytest.raises(UnsupportedVersionError, match=message):
+        read_bytes(preamble(newer) + GOOD[16:])
+
+
+def test_boundary_time_is_a_trailing_field_both_ways() -> None:
+    # What kvcached wrote before build boundaries carried a time (traces/ holds such files): the
+    # two-element array decodes with no time, and a header without a clock base reads 0.0.
+    pools = [{"block_bytes": 65536, "num_blocks": 64}]
+    old = preamble() + frame(msgspec.msgpack.encode({"page_bytes": 2 << 20, "pools": pools}))
+    events, reader = read_bytes(old + frame(msgspec.msgpack.encode([[0, 4]])))
+    assert reader.header.clock_base_unix == 0.0
+    assert events == [BuildBoundary(4)] and events[0].at_us is None  # type: ignore[union-attr]
+    timed = journal_bytes([[BuildBoundary(5, at_us=1_500_000), BlockAlloc(0, (1,))]])
+    assert read_bytes(timed)[0] == [BuildBoundary(5, 1_500_000), BlockAlloc(0, (1,))]
+
+    # A reader that predates the field: the event as it was declared then, a two-field array.
+    class OldBoundary(msgspec.Struct, frozen=True, array_like=True, tag=0, tag_field="t"):
+        build: int
+
+    payload = msgspec.msgpack.encode([BuildBoundary(5, at_us=1_500_000)])
+    assert msgspec.msgpack.decode(payload, type=list[OldBoundary]) == [OldBoundary(5)]
 
 
 def test_header_that_is_not_a_header() -> None:
@@ -596,9 +616,10 @@ def test_worked_example_in_the_docs_is_what_the_writer_writes() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "trace-format.md").read_text()
     dump = doc.split("(`xxd -g1`):\n\n```\n", 1)[1].split("```", 1)[0]
     documented = bytes.fromhex("".join(line[10:58] for line in dump.splitlines()))
-    header = Header(page_bytes=2097152, pools=(PoolGeometry(block_bytes=65536, num_blocks=1024),))
+    geometry = (PoolGeometry(block_bytes=65536, num_blocks=1024),)
+    header = Header(page_bytes=2097152, pools=geometry, clock_base_unix=1796256000.0)
     batches: list[list[Event]] = [
-        [RequestAdded(0, "req-a"), BlockAlloc(0, (1000, 1001)), BuildBoundary(0)],
+        [RequestAdded(0, "req-a"), BlockAlloc(0, (1000, 1001)), BuildBoundary(0, at_us=250000)],
         [JobBuilt(0, JobKind.STORE, 0, ((1000, 1001),), 1), JobReported(0, 1), BlockFree(0, (1000, 1001))],
     ]
     assert journal_bytes(batches, header) == documented

@@ -23,6 +23,8 @@ import msgspec
 
 from ..errors import ConfigError
 
+# Still 1 with ``BuildBoundary.at_us`` appended (issue 27): a reader that predates a trailing
+# field ignores it (docs/trace-format.md, "Versioning"), and this one reads a boundary without it.
 FORMAT_VERSION: Final = 1
 
 # Every integer of the format is below 2**63: the ledger keeps build numbers and event indices in
@@ -88,6 +90,10 @@ class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False, kw_only=T
     policy: Policy = Policy.LEDGER
     producer: dict[str, str] = {}
     created_unix: float = 0.0
+    # The wall-clock time (``time.time()``) that a build boundary's ``at_us == 0`` stands for; 0.0:
+    # the boundaries carry no time. Kept by every segment, snapshot and dump of one run, unlike
+    # ``created_unix``, so that one base serves the whole run.
+    clock_base_unix: float = 0.0
     # Extra, free-form facts a producer wants to keep with the trace (scenario name, seed, ...).
     meta: dict[str, str] = {}
 
@@ -112,9 +118,18 @@ class _Event(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="
 
 
 class BuildBoundary(_Event, frozen=True, tag=0):
-    """Build ``build`` (one ``build_connector_meta`` call) has returned; its jobs precede this."""
+    """Build ``build`` (one ``build_connector_meta`` call) has returned; its jobs precede this.
+
+    ``at_us`` is when, on the monotonic clock, in microseconds after the header's
+    ``clock_base_unix``: so that an incident seen on a dashboard at a wall-clock time can be found
+    in the journal (``kvreplay show --at``) even if the wall clock was stepped while serving. It
+    is a trailing optional field: a trace written before it (``[0, build]``) decodes unchanged,
+    with ``at_us`` None; msgspec 0.23 encodes an absent one as nil, one byte, and a present one in
+    5 to 9 bytes, once per engine step.
+    """
 
     build: NonNeg
+    at_us: NonNeg | None = None
 
 
 class BlockAlloc(_Event, frozen=True, tag=1):
@@ -281,9 +296,10 @@ def blocks_per_page(header: Header, pool: int) -> int:
 def describe(event: Event) -> str:
     """A short, human-readable rendering used in witnesses and timelines."""
     name = type(event).__name__
-    fields = ", ".join(
-        f"{f}={_short(getattr(event, f))}" for f in event.__struct_fields__
-    )
+    # An optional field that is absent (a boundary's time) says nothing: it is left out, so that
+    # a timeline reads as it did before the field existed.
+    values = ((f, getattr(event, f)) for f in event.__struct_fields__)
+    fields = ", ".join(f"{f}={_short(v)}" for f, v in values if v is not None)
     return f"{name}({fields})"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Protocol
 
 from ..errors import JournalWriteError
@@ -41,6 +42,17 @@ class Recorder:
         self.sink = sink  # e.g. BackgroundService(...).producer: journaled by the service instead
         self._batch = batch
         self._pending: list[Event] = []
+        # The monotonic reading that the header's wall-clock base stands for, taken once: a build
+        # boundary's time is then immune to the wall clock being stepped (NTP) while serving.
+        base = ledger.tables.header.clock_base_unix
+        self._mono_base = time.monotonic() - (time.time() - base) if base else None
+
+    def stamp(self) -> int | None:
+        """Now, for a ``BuildBoundary``: microseconds after the header's ``clock_base_unix``, or
+        None when the header has no clock base (tests and scenarios, whose traces stay exact)."""
+        if self._mono_base is None:
+            return None
+        return max(0, int((time.monotonic() - self._mono_base) * 1e6))
 
     @classmethod
     def for_header(cls, header: Header, *, journal_path: str | None = None, batch: int = 256) -> Recorder:

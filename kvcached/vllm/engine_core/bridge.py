@@ -202,7 +202,7 @@ class Bridge:
                 self._held.discard(done)
                 preempted.pop(done, None)
                 emit(RequestFinished(done))
-        emit(BuildBoundary(self.build))
+        emit(BuildBoundary(self.build, self.recorder.stamp()))
         self.build += 1
         return meta
 
@@ -294,7 +294,7 @@ class Bridge:
         captured a freed block; the engine's scheduler calls call this (``scheduler_calls``)."""
         ledger = self._ledger
         if ledger.pending_grace_pages():
-            self.recorder.emit(BuildBoundary(ledger.build))
+            self.recorder.emit(BuildBoundary(ledger.build, self.recorder.stamp()))
 
     def has_pending_push_work(self) -> bool:
         return bool(self._orig["has_pending_push_work"]()) or self.recorder.ledger.pending_grace_pages() > 0

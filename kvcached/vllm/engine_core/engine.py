@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # service's thread, off the scheduler's path (a server).
     journal_path: str | None = None
     journal_service: ServiceConfig | None = None
+    # Build boundaries carry the time (kvreplay show --at): a served engine's do. Off elsewhere,
+    # because a scenario or a kvsim seed must give the same journal bytes on every run.
+    clock: bool = False
 
     def __post_init__(self) -> None:
         if self.journal_path is not None and self.journal_service is not None:
@@ -237,14 +241,16 @@ def _size_range(lo: int, hi: int) -> str:
     return f"{format_size(lo)}..{format_size(hi)}"
 
 
-def header_for(scheduler: Any, geometry: KVGeometry, policy: Policy) -> Header:
-    """The journal header of an engine over ``scheduler``: one pool, its workers, the producers."""
+def header_for(scheduler: Any, geometry: KVGeometry, policy: Policy, *, clock: bool = False) -> Header:
+    """The journal header of an engine over ``scheduler``: one pool, its workers, the producers,
+    and with ``clock`` the wall-clock base its build boundaries' times count from."""
     return Header(
         page_bytes=geometry.page_bytes,
         pools=(geometry.pool(),),
         workers=int(scheduler.vllm_config.parallel_config.world_size),
         policy=policy,
         producer={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION},
+        clock_base_unix=time.time() if clock else 0.0,
     )
 
 
@@ -276,7 +282,7 @@ def assemble(
     if config.page_aware and not backends:
         raise ConfigError("engine: a page-aware pool needs at least one backend")
     check_targets(scheduler, page_aware=config.page_aware)
-    header = header_for(scheduler, geometry, config.policy)
+    header = header_for(scheduler, geometry, config.policy, clock=config.clock)
     page_cost = geometry.page_bytes * geometry.regions * max(1, len(backends))
     lo, hi = config.reserve_pages(page_cost)
     budget = None

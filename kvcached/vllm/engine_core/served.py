@@ -70,6 +70,7 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         max_reserved_bytes=settings.max_reserved_bytes,
         budget=settings.budget,
         budget_bytes=settings.budget_bytes,
+        clock=True,
     )
     engine = assemble(scheduler, geometry, backends, config, page_log=page_log)
     slow = compiled_status()
