@@ -38,6 +38,8 @@ one() {  # one NAME [VAR=VALUE...]: build with the given environment, install, r
         "$out/venv/bin/kvreplay" check "$ROOT/$TRACE" >/dev/null
         "$out/venv/bin/kvsim" --help >/dev/null
         "$out/venv/bin/kvctl" --version
+        "$out/venv/bin/kvreplay" --version >/dev/null
+        "$out/venv/bin/kvsim" --version >/dev/null
         "$out/venv/bin/python" - "$name" "$whl" "$sdist" <<'PY'
 import sys, tarfile, zipfile
 name, whl, sdist = sys.argv[1:]

@@ -108,8 +108,8 @@ def test_check_witness_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     _, out, _ = run(capsys, "check", path)
     steps = [line.split()[0] for line in out.splitlines()[2:6]]
     assert steps == ["pin", "free", "unmap", "late"]
-    assert "1 violation(s): I1 unmap-under-job x1" in out
-    assert "peak 1 pinned pages" in out and "1 unmaps" in out
+    assert "1 violation: I1 unmap-under-job x1" in out
+    assert "peak 1 pinned page," in out and "1 unmap\n" in out
 
 
 def test_check_json_is_deterministic_and_has_no_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -245,13 +245,13 @@ def test_minimize_keeps_recorded_decisions_when_they_are_the_bug(
     assert any(type(e) is PageUnmapped for e in events) and len(events) <= 7
     assert _codes(out) == {"unmap-under-job"}
     code, _, err = run(capsys, "minimize", path, "-o", out, "--decisions", "derive")
-    assert code == 2 and err.count("\n") == 1 and path in err
+    assert code == 1 and err.count("\n") == 1 and path in err
 
 
 def test_minimize_clean_trace_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = scenario_trace(tmp_path, "finish-in-write-step", "ledger")
     code, out, err = run(capsys, "minimize", path, "-o", str(tmp_path / "m.kvj"))
-    assert code == 2 and out == "" and err.count("\n") == 1 and "no violation to minimize" in err
+    assert code == 1 and out == "" and err.count("\n") == 1 and "no violation to minimize" in err
     # ... unless asked what legacy would have done with the same inputs.
     code, out, err = run(capsys, "minimize", path, "-o", str(tmp_path / "m.kvj"), "--policy", "legacy")
     assert code == 0 and "decisions re-derived under legacy" in out
@@ -274,9 +274,9 @@ def test_show_page_job_request(tmp_path: Path, capsys: pytest.CaptureFixture[str
     code, by_id, _ = run(capsys, "show", path, "--request", "0")
     assert by_name == by_id and "RequestFinished(req=0)" in by_name
     code, out, err = run(capsys, "show", path, "--page", "999")
-    assert code == 2 and "no page 999" in err
+    assert code == 1 and "no page 999" in err
     code, out, _ = run(capsys, "show", path, "--page", "0", "--limit", "2")
-    assert "more line(s)" in out
+    assert "more lines" in out
 
 
 def test_stats_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -328,7 +328,7 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert (code, err) == (0, "") and out.startswith(f"wrote {png}")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, out, err = run(capsys, "plot", path, "-o", str(tmp_path / "no" / "such" / "dir.png"))
-    assert code == 2 and err.count("\n") == 1
+    assert code == 1 and err.count("\n") == 1
 
 
 # --- snapshots ------------------------------------------------------------------------------
@@ -363,17 +363,20 @@ def test_snapshot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         (["check", path, "--from-snapshot", other], "not a ledger snapshot"),
         (["check", path, "--from-snapshot", str(tmp_path / "missing")], "cannot read the snapshot"),
         (["check", path, "--from-snapshot", snap, "--policy", "ledger"], "not ledger"),
-        (["check", path, "--from-snapshot", snap, "--derive"], "--derive"),
         (["snapshot", path, "--at", "100000", "-o", snap], "past the end"),
     ]
     for argv, what in cases:
         code, _, err = run(capsys, *argv)
-        assert code == 2 and err.count("\n") == 1 and what in err, (argv, err)
+        assert code == 1 and err.count("\n") == 1 and what in err, (argv, err)
+    # Options that do not go together are a usage error: exit 2, one line.
+    with pytest.raises(SystemExit) as usage:
+        main(["check", path, "--from-snapshot", snap, "--derive"])
+    assert usage.value.code == 2 and "--derive" in capsys.readouterr().err
     # A snapshot of the right type but the wrong shape is refused before it can fail mid-replay.
     s = msgspec.msgpack.decode(Path(snap).read_bytes(), type=LedgerSnapshot)
     Path(snap).write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(s, page_alloc=[0])))
     code, _, err = run(capsys, "check", path, "--from-snapshot", snap)
-    assert code == 2 and "not a consistent ledger snapshot: its page tables" in err
+    assert code == 1 and "not a consistent ledger snapshot: its page tables" in err
 
 
 # --- progress, help, demo -------------------------------------------------------------------
@@ -513,7 +516,7 @@ def test_check_reads_every_event_of_every_segment_of_a_rotated_journal(
     code, text, _ = run(capsys, "check", str(path))
     assert code == 1 and text.startswith(f"{path}: {len(events):,} events, ")
     n = len(files)
-    assert text.splitlines()[1] == f"{path}: a journal of {n} segment(s) ({segtext(path, n)}); read all"
+    assert text.splitlines()[1] == f"{path}: a journal of {n} segments ({segtext(path, n)}); read all"
 
 
 def segtext(path: Path, n: int) -> str:
@@ -533,7 +536,7 @@ def test_check_of_one_segment_reads_the_journal_it_belongs_to_and_says_so(
     _, text, _ = run(capsys, "check", one)
     n = len(json.loads(whole)["segments"])
     assert text.splitlines()[1] == (
-        f"{one}: segment 2 of the rotated journal {path}, which has {n} segment(s) ({segtext(path, n)}); read all"
+        f"{one}: segment 2 of the rotated journal {path}, which has {n} segments ({segtext(path, n)}); read all"
     )
     # The other subcommands say it on stderr, and read the same events.
     code, out, err = run(capsys, "stats", one, "--json")
@@ -558,7 +561,7 @@ def test_every_replaying_subcommand_reads_past_the_first_segment(
     code, out, _ = run(capsys, "minimize", str(path), "-o", str(tmp_path / "w.kvj"), "--max-seconds", "20")
     assert code == 0 and "unmap-under-job" in out
     code, out, _ = run(capsys, "plot", str(path), "-o", str(tmp_path / "p.png"))
-    assert code == 0 and "violation(s)" in out
+    assert code == 0 and "1 violation\n" in out
 
 
 def test_the_services_snapshot_starts_kvreplay_and_earlier_segments_stay_unread(
@@ -602,12 +605,12 @@ def test_a_rotated_journal_with_a_missing_or_torn_segment_is_one_line(
     data = Path(f"{base}.1").read_bytes()
     Path(f"{base}.1").write_bytes(data[:-5])  # a torn frame, but not in the last segment
     code, out, err = run(capsys, "check", base)
-    assert code == 2 and out == "" and err.count("\n") == 1
+    assert code == 1 and out == "" and err.count("\n") == 1
     assert f"{base}.2: at byte 16: segment 2 follows {base}.1, which ends in a torn frame" in err
     Path(f"{base}.1").write_bytes(data)
     os.unlink(f"{base}.2")
     code, out, err = run(capsys, "check", f"{base}.3")
-    assert code == 2 and out == "" and err.count("\n") == 1
+    assert code == 1 and out == "" and err.count("\n") == 1
     assert f"segment 2 of the rotated journal {base} is missing" in err
 
 
@@ -630,10 +633,10 @@ def test_a_journal_that_starts_mid_run_needs_its_snapshot(tmp_path: Path, capsys
     # Without it, the journal cannot be replayed, and kvreplay says what would do.
     os.rename(f"{path}.snap", tmp_path / "elsewhere.snap")
     code, out, err = run(capsys, "check", str(path))
-    assert code == 2 and out == ""
+    assert code == 1 and out == ""
     assert err == (
         f"kvreplay: {path}: the journal starts at event 1,000 (its service started from a snapshot); "
         "replay it with --from-snapshot SNAP (one taken at or after that event)\n"
     )
     code, _, err = run(capsys, "compare", str(path))
-    assert code == 2 and "starts at event 1000" in err and err.count("\n") == 1
+    assert code == 1 and "starts at event 1000" in err and err.count("\n") == 1

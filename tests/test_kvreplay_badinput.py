@@ -1,7 +1,8 @@
-"""kvreplay on bad input: every damaged or foreign file gives one line and exit 2, never a traceback.
+"""kvreplay on bad input: every damaged or foreign file gives one line and exit 1, never a traceback.
 
 The promise tested here, for ``check`` (and spot-checked for the other replaying subcommands):
-the exit code is 0, 1 or 2; on 2, stderr is exactly one line that names the file and where
+the exit code is 0 or 1 (2 is a usage error, which no file makes); a run that could not be done
+prints nothing on stdout, and exactly one line on stderr that names the file and where
 (byte offset or event index); a file cut inside its last frame gives one "torn tail" warning
 line and then the result for the events before it. The exhaustive part cuts a small
 multi-frame trace at every byte offset and flips a few hundred random bits (seeded), calling
@@ -83,7 +84,7 @@ def every_reader(trace: Path | str, out: Path) -> list[list[str]]:
 
 
 def assert_one_line_error(code: int, err: list[str], path: Path, *words: str) -> None:
-    assert code == 2, err
+    assert code == 1, err
     assert len(err) == 1, err
     line = err[0]
     assert line.startswith("kvreplay: ") and str(path) in line
@@ -210,7 +211,7 @@ def test_unwritable_output(tmp_path: Path, small_trace: bytes, capsys: pytest.Ca
     ):
         code = main(argv)
         err = capsys.readouterr().err.splitlines()
-        assert code == 2 and len(err) == 1 and "no" in err[0], err
+        assert code == 1 and len(err) == 1 and "no" in err[0], err
 
 
 # --- every truncation, random bit flips -----------------------------------------------------
@@ -218,9 +219,9 @@ def test_unwritable_output(tmp_path: Path, small_trace: bytes, capsys: pytest.Ca
 
 def _assert_contract(code: int, out: str, err: list[str], path: Path) -> str:
     """Checks the bad-input contract for one run; returns which case it was."""
-    assert code in (0, 1, 2)
+    assert code in (0, 1)
     assert not any("Traceback" in line or "internal error" in line for line in err), err
-    if code == 2:
+    if code == 1 and not out:
         assert_one_line_error(code, err, path)
         assert out == ""
         return "error"
@@ -283,7 +284,7 @@ def test_snapshot_output_is_never_written_through_a_link(
     os.symlink(victim, link)
     code = main(["snapshot", str(path), "--at", "3", "-o", str(link)])
     err = capsys.readouterr().err.splitlines()
-    assert code == 2 and len(err) == 1 and f"{link}: a symbolic link, not a regular file" in err[0], err
+    assert code == 1 and len(err) == 1 and f"{link}: a symbolic link, not a regular file" in err[0], err
     assert victim.read_bytes() == b"precious"
     old = tmp_path / "old.snap"  # a regular file the user names with -o is replaced, as -o does
     old.write_bytes(b"old")
@@ -301,7 +302,7 @@ def test_a_snapshot_that_is_not_a_regular_file_is_one_line(
     os.mkfifo(fifo)  # no writer: opening it to read would block forever
     for snap, what in ((str(fifo), "a FIFO"), ("/dev/zero", "a character device")):
         code, out, err = check(capsys, path, "--from-snapshot", snap)
-        assert code == 2 and out == "" and len(err) == 1, err
+        assert code == 1 and out == "" and len(err) == 1, err
         assert err[0] == f"kvreplay: {snap}: at byte 0: cannot read the snapshot: {what}, not a regular file"
 
 
@@ -501,7 +502,7 @@ def test_a_trace_with_no_event_checks_nothing_and_says_so(
     assert_one_line_error(code, err, path, "no event to check", "nothing was checked")
     assert out == ""
     code, out, err = check(capsys, path, "--json")
-    assert code == 2 and out == "" and len(err) == 1
+    assert code == 1 and out == "" and len(err) == 1
     # Its first frame torn: one line still (not a torn-tail warning and then a verdict).
     cut = 16 + 12 + struct.unpack_from("<I", small_trace, 16)[0] + 5  # the preamble, the header frame
     path.write_bytes(small_trace[:cut])
@@ -541,9 +542,9 @@ def test_a_trace_that_ends_with_jobs_outstanding_or_a_shrink_unfinished_says_so(
     lines = out.splitlines()
     assert lines[1].startswith("clean: no invariant violated, but the trace ends unfinished (not a violation: ")
     assert lines[2] == (
-        "  1 job(s) outstanding; the oldest: store job 3 of request req-a, built in build 0, waiting on 2 worker(s)"
+        "  1 job outstanding; the oldest: store job 3 of request req-a, built in build 0, waiting on 2 workers"
     )
-    assert lines[3] == "  a shrink unfinished: 2 page(s) mapped over a limit of 1"
+    assert lines[3] == "  a shrink unfinished: 2 pages mapped over a limit of 1"
     code, out, _ = check(capsys, path, "--json")
     doc = json.loads(out)
     assert doc["clean"] is True and doc["unfinished"] == {
@@ -572,7 +573,7 @@ def test_an_unfinished_end_is_said_after_the_violations_too(
     code, out, err = check(capsys, path)
     assert code == 1 and err == []
     lines = out.splitlines()
-    at = lines.index("1 violation(s): I1 unmap-under-job x1")
+    at = lines.index("1 violation: I1 unmap-under-job x1")
     assert lines[at + 1].startswith("the trace ends unfinished (not a violation: ")
-    assert lines[at + 2].startswith("  1 job(s) outstanding; the oldest: store job 0 of request ")
+    assert lines[at + 2].startswith("  1 job outstanding; the oldest: store job 0 of request ")
     assert json.loads(check(capsys, path, "--json")[1])["unfinished"]["outstanding_jobs"] == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -29,7 +30,14 @@ FAILED: Final = 1  # the run could not do its job, or a check found what it look
 USAGE: Final = 2  # the command line itself is wrong
 INTERRUPTED: Final = 130
 
-__all__ = ["FAILED", "INTERRUPTED", "OK", "USAGE", "Parser", "format_size", "one_line", "plural", "run", "version"]
+__all__ = [
+    "FAILED", "INTERRUPTED", "MAX_INT", "OK", "USAGE", "Parser", "format_size", "one_line", "plural",
+    "positive_seconds", "run", "version", "whole",
+]
+
+# The largest integer msgpack carries signed, and the journal's bound on every integer
+# (kvcached.ledger.events.INT64_MAX): a count, page or event index beyond it means nothing here.
+MAX_INT: Final = 2**63 - 1
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,6 +48,40 @@ class Parser(argparse.ArgumentParser):
         top = self.prog.split()[0]
         hint = f"{self.prog} --help"
         self.exit(USAGE, f"{top}: {' '.join(message.split())} (see {hint})\n")
+
+
+def whole(low: int, what: str, high: int = MAX_INT) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``low`` to ``high``, else one usage line that
+    says the range (``--count -1``, ``--events 1e400``, ``--rows nan`` were tracebacks or
+    silently meant something else)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what} from {low:,} to {high:,}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def positive_seconds(high: float) -> Callable[[str], float]:
+    """An argparse ``type``: seconds above 0 and at most ``high``; NaN and infinities refused."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not (math.isfinite(v) and 0 < v <= high):
+            raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0 and at most {high:g}")
+        return v
+
+    parse.__name__ = "seconds"
+    return parse
 
 
 def version(tool: str) -> str:

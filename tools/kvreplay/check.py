@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any, Final
 
+import kvcli
 import msgspec
 
 from kvcached.ledger.findings import Violation
@@ -128,15 +129,16 @@ def unfinished_lines(ends: dict[str, Any]) -> list[str]:
     """The text form of ``unfinished``: one line per thing under way, indented."""
     lines = []
     if n := ends.get("outstanding_jobs"):
-        line = f"  {n:,} job(s) outstanding"
+        line = f"  {kvcli.plural(n, 'job')} outstanding"
         if (j := ends.get("oldest_job")) is not None:
             line += (
                 f"; the oldest: {j['kind']} job {j['job']} of request {j['request']}, built in build {j['build']}, "
-                f"waiting on {j['waiting_workers']} worker(s)"
+                f"waiting on {kvcli.plural(j['waiting_workers'], 'worker')}"
             )
         lines.append(line)
     if (s := ends.get("shrink")) is not None:
-        lines.append(f"  a shrink unfinished: {s['mapped_pages']:,} page(s) mapped over a limit of {s['limit']:,}")
+        mapped = kvcli.plural(s["mapped_pages"], "page")
+        lines.append(f"  a shrink unfinished: {mapped} mapped over a limit of {s['limit']:,}")
     return lines
 
 
@@ -197,11 +199,11 @@ def kinds(violations: list[Violation]) -> str:
 
 
 def summary_line(lg: Ledger) -> str:
-    c = lg.counters()
+    c, p = lg.counters(), kvcli.plural
     return (
-        f"summary: {c['events']:,} events, {c['builds']:,} builds, {c['jobs']:,} jobs "
-        f"({c['outstanding_jobs']:,} outstanding at the end), peak {c['peak_pinned_pages']:,} pinned pages, "
-        f"{c['maps']:,} maps, {c['unmaps']:,} unmaps"
+        f"summary: {p(c['events'], 'event')}, {p(c['builds'], 'build')}, {p(c['jobs'], 'job')} "
+        f"({c['outstanding_jobs']:,} outstanding at the end), peak {p(c['peak_pinned_pages'], 'pinned page')}, "
+        f"{p(c['maps'], 'map')}, {p(c['unmaps'], 'unmap')}"
     )
 
 
@@ -211,7 +213,7 @@ def render(result: CheckResult, limit: int) -> str:
     how = "re-derived by an eager allocator" if result.derived else "as recorded"
     policy = f"policy {lg.policy.value}" + (" (--policy)" if result.policy_overridden else " (recorded)")
     start = f"; from the snapshot after event {result.from_snapshot:,}" if result.from_snapshot is not None else ""
-    print(f"{result.path}: {lg.index:,} events, {policy}, decisions {how}{start}", file=out)
+    print(f"{result.path}: {kvcli.plural(lg.index, 'event')}, {policy}, decisions {how}{start}", file=out)
     if result.segments_note is not None:
         print(f"{result.path}: {result.segments_note}", file=out)
     shown = lg.violations if limit <= 0 else lg.violations[:limit]
@@ -220,7 +222,7 @@ def render(result: CheckResult, limit: int) -> str:
     if len(shown) < len(lg.violations):
         print(f"... and {len(lg.violations) - len(shown):,} more (--limit 0 shows all)", file=out)
     if lg.violations:
-        print(f"{len(lg.violations):,} violation(s): {kinds(lg.violations)}", file=out)
+        print(f"{kvcli.plural(len(lg.violations), 'violation')}: {kinds(lg.violations)}", file=out)
         if result.ends:
             print(f"the trace ends unfinished ({UNFINISHED_WHY}):", file=out)
     elif result.ends:
@@ -259,5 +261,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         "unfinished (as a crashed run's does) is no violation, but the report says so.",
     )
     p.add_argument("--json", action="store_true", help="print a deterministic JSON report (golden traces keep it)")
-    p.add_argument("--limit", type=int, default=10, metavar="N", help="witnesses to print (0: all; default 10)")
+    p.add_argument(
+        "--limit",
+        type=kvcli.whole(0, "a number of witnesses"),
+        default=10,
+        metavar="N",
+        help="witnesses to print (0: all; default 10)",
+    )
     p.set_defaults(func=cmd_check)

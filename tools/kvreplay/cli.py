@@ -1,22 +1,23 @@
 """The ``kvreplay`` command line, in the style of git: one subcommand per question.
 
 Each subcommand lives in its own module and adds its own parser; this module only wires them
-and owns the promise made to users: whatever the input, the answer is a result or one line on
-stderr, never a traceback. Errors kvcached raises on purpose (``KvcachedError``: an unreadable
-journal, a bad snapshot) become that line and exit code 2; so does an ``OSError`` on an output
-file; anything else is a bug in kvreplay or the ledger and becomes one line that says so, with
-``KVREPLAY_DEBUG=1`` to get the traceback. Exit codes: 0 clean or done, 1 a violation found
-(``check``), 2 the input could not be used.
+and keeps the promise the three tools make alike (``kvcli``): whatever the input, the answer is
+a result or one line on stderr, never a traceback. Exit codes: 0 clean or done; 1 the run found
+what it looks for (``check``: a violation) or could not be done (an unreadable, truncated or
+foreign journal, a bad snapshot, an output file that cannot be written: errors kvcached raises
+on purpose, ``KvcachedError``, or an ``OSError``); 2 the command line itself is wrong (one line
+naming ``--help``). Anything else is a bug in kvreplay or the ledger and says so, with
+``KVREPLAY_DEBUG=1`` to get the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
-from kvcached.errors import KvcachedError
+import kvcli
+
 from kvcached.ledger.events import Policy
 from kvcached.testing.seed_cases import SCENARIOS
 
@@ -35,7 +36,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _replay_options() -> argparse.ArgumentParser:
     """Options shared by the subcommands that replay one trace under one policy."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = kvcli.Parser(add_help=False)
     common.add_argument("trace", metavar="TRACE", help="a kvcached journal (.kvj)")
     common.add_argument(
         "--policy",
@@ -57,12 +58,13 @@ def _replay_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = kvcli.Parser(
         prog="kvreplay",
         description="Replay kvcached ledger traces offline: find, explain and shrink freed-block copies. "
-        "Exit codes: 0 clean, 1 violation found (check), 2 unusable input.",
+        "Exit codes: 0 clean or done, 1 a violation found (check) or input that cannot be used, 2 a usage error.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=kvcli.version("kvreplay"))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # sub-parsers are kvcli.Parser too
     common = _replay_options()
     check.add_parser(sub, common)
     compare.add_parser(sub)
@@ -88,41 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if getattr(args, "from_snapshot", None) and getattr(args, "derive", False):
-        print(
-            "kvreplay: --from-snapshot needs the recorded decisions; it cannot be combined with --derive",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        code: int = args.func(args)
-    except KvcachedError as e:
-        print(f"kvreplay: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return 0
-    except KeyboardInterrupt:
-        return 130
-    except OSError as e:
-        print(f"kvreplay: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or _one_line(e)}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        if os.environ.get("KVREPLAY_DEBUG") == "1":
-            raise
-        trace = getattr(args, "trace", "")
-        print(
-            f"kvreplay: internal error while running {args.command} on {trace}: {type(e).__name__}: {_one_line(e)} "
-            "(a bug: please report it with the trace; KVREPLAY_DEBUG=1 shows the traceback)",
-            file=sys.stderr,
-        )
-        return 2
-    return code
+        parser.error("--from-snapshot needs the recorded decisions; it cannot be combined with --derive")
+    trace = getattr(args, "trace", "")
+    context = f"while running {args.command}" + (f" on {trace}" if trace else "")
+    return kvcli.run("kvreplay", lambda: int(args.func(args)), debug_env="KVREPLAY_DEBUG", context=context)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 from collections import Counter
 from typing import Any
 
+import kvcli
+
 from kvcached.ledger.events import DECISIONS, BuildBoundary, Event, Policy
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive
@@ -158,7 +160,7 @@ def render(result: CompareResult, limit: int) -> str:
     for run in runs:
         lg = run.ledger
         if lg.violations and limit != 0:
-            print(f"\n{lg.policy.value}: first violation(s)", file=out)
+            print(f"\n{lg.policy.value}: first violations", file=out)
             for v in lg.violations[: max(limit, 0)]:
                 print("\n".join(witness_lines(v, "  ")), file=out)
     print(file=out)
@@ -191,6 +193,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="a policy to replay under, repeatable (default: legacy, then ledger); the first is the baseline",
     )
     p.add_argument("--json", action="store_true", help="print a deterministic JSON report")
-    p.add_argument("--limit", type=int, default=1, metavar="N", help="witnesses to print per policy (default 1)")
+    p.add_argument(
+        "--limit",
+        type=kvcli.whole(0, "a number of witnesses"),
+        default=1,
+        metavar="N",
+        help="witnesses to print per policy (default 1)",
+    )
     p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
     p.set_defaults(func=cmd_compare)

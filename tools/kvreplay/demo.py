@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 
+from kvcli import plural
+
 from kvcached.ledger.findings import Violation
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive
@@ -44,8 +46,9 @@ def render(names: list[str] | None = None) -> str:
             i1 = [v for v in ledger.violations if v.invariant == "I1"]
             if ledger.violations:
                 print(
-                    f"  {policy:>6}: {len(ledger.violations)} violation(s), {len(i1)} freed-block copy; "
-                    f"{unmaps} unmaps, peak {ledger.peak_pinned_pages} pinned page(s)",
+                    f"  {policy:>6}: {plural(len(ledger.violations), 'violation')}, "
+                    f"{plural(len(i1), 'freed-block copy', 'freed-block copies')}; "
+                    f"{plural(unmaps, 'unmap')}, peak {plural(ledger.peak_pinned_pages, 'pinned page')}",
                     file=out,
                 )
                 for line in _witness(ledger.violations[0]):
@@ -53,8 +56,9 @@ def render(names: list[str] | None = None) -> str:
                 found += policy == "legacy" and bool(i1)
             else:
                 print(
-                    f"  {policy:>6}: clean; {unmaps} unmaps, peak {ledger.peak_pinned_pages} pinned page(s), "
-                    f"{ledger.outstanding_jobs()} job(s) left",
+                    f"  {policy:>6}: clean; {plural(unmaps, 'unmap')}, "
+                    f"peak {plural(ledger.peak_pinned_pages, 'pinned page')}, "
+                    f"{plural(ledger.outstanding_jobs(), 'job')} left",
                     file=out,
                 )
                 clean += policy == "ledger"

@@ -15,6 +15,7 @@ import itertools
 import os
 from collections.abc import Iterable, Iterator
 
+import kvcli
 import msgspec
 
 from kvcached.ledger.events import DECISIONS, Event, Header, Policy
@@ -70,15 +71,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the map/unmap decisions of the most eager allocator under --policy (legacy shows freed-block copies).",
     )
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="the trace to write")
-    p.add_argument("--events", type=int, default=200_000, metavar="N", help="input events (default 200000)")
+    p.add_argument(
+        "--events",
+        type=kvcli.whole(1, "a number of events", 10**9),
+        default=200_000,
+        metavar="N",
+        help="input events (default 200000)",
+    )
     p.add_argument("--policy", choices=[p.value for p in Policy], default="legacy", help="default: legacy")
-    p.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
+    p.add_argument("--seed", type=kvcli.whole(0, "a seed"), default=7, help="workload seed (default 7)")
     p.add_argument("--inputs-only", action="store_true", help="record no decisions (replay with --derive)")
     # The generator's preemption can pick a request that finishes in the same step and then
     # fails after about 500,000 events; off by default until it is fixed.
     p.add_argument(
         "--preempt-every",
-        type=int,
+        type=kvcli.whole(0, "a number of steps"),
         default=0,
         metavar="STEPS",
         help="preempt a running request every STEPS steps (default 0: never)",

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
+import kvcli
 import msgspec
 
 from kvcached.ledger.events import (
@@ -549,5 +550,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="re-derive map/unmap decisions at each test (derive), keep and shrink the recorded ones (recorded), "
         "or derive when that shows the target (auto, the default)",
     )
-    p.add_argument("--max-seconds", type=float, default=60.0, metavar="S", help="stop shrinking after S seconds")
+    p.add_argument(
+        "--max-seconds",
+        type=kvcli.positive_seconds(7 * 86_400),
+        default=60.0,
+        metavar="S",
+        help="stop shrinking after S seconds",
+    )
     p.set_defaults(func=cmd_minimize)

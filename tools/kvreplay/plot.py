@@ -15,10 +15,33 @@ import argparse
 import os
 from typing import Final
 
+import msgspec
+from kvcli import plural
+
 from .stats import Series, collect
 from .tracefile import ReplayError, Trace, start_ledger
 
 MAX_POINTS: Final = 2000
+# What matplotlib's Agg backend writes without further packages (jpg and tif need Pillow): the
+# file name is checked before the replay, so that ``-o plot.txt`` is a usage error at once
+# instead of matplotlib's ValueError after a long replay.
+FORMATS: Final = (".png", ".pdf", ".svg", ".eps", ".ps")
+EXTRA: Final = "pip install '.[replay]' from the kvcached checkout"
+
+
+def picture(text: str) -> str:
+    """An argparse ``type`` for ``-o``: a file name matplotlib can write."""
+    ext = os.path.splitext(text)[1].lower()
+    if ext not in FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a file ending in {', '.join(FORMATS)}")
+    return text
+
+
+def _matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ReplayError(f"kvreplay plot needs matplotlib, which this environment lacks: {EXTRA}") from None
 
 
 def _reduce(xs: list[int], ys: list[int], points: int, peak: bool) -> tuple[list[float], list[float]]:
@@ -74,7 +97,8 @@ def draw(s: Series, out: str) -> None:
         ax.set_ylim(0, max(lg.num_pages, 1))
         how = "derived" if s.derived else "recorded"
         ax.set_title(
-            f"{os.path.basename(s.path)}: policy {lg.policy.value}, {how} decisions, {len(lg.violations)} violation(s)",
+            f"{os.path.basename(s.path)}: policy {lg.policy.value}, {how} decisions, "
+            f"{plural(len(lg.violations), 'violation')}",
             fontsize=10,
         )
         ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
@@ -88,11 +112,17 @@ def draw(s: Series, out: str) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    _matplotlib()  # before the replay, which may take minutes
     with Trace(args.trace, progress=not args.no_progress) as trace:
         lg, skip = start_ledger(trace, args.policy, args.from_snapshot)
         s = collect(trace, lg, skip, args.derive)
     draw(s, args.output)
-    print(f"wrote {args.output}: {len(s.build):,} builds, {lg.num_pages:,} pages, {len(lg.violations)} violation(s)")
+    builds, pages, violations = len(s.build), lg.num_pages, len(lg.violations)
+    if args.json:
+        doc = {"file": args.output, "builds": builds, "pages": pages, "violations": violations}
+        print(msgspec.json.encode(doc).decode())
+        return 0
+    print(f"wrote {args.output}: {plural(builds, 'build')}, {plural(pages, 'page')}, {plural(violations, 'violation')}")
     return 0
 
 
@@ -104,5 +134,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         description="Replay TRACE and draw, per build, the pages in use, empty but mapped and free as a stack, "
         "the pinned pages as a line and violations as red ticks.",
     )
-    p.add_argument("-o", "--output", required=True, metavar="FILE.png", help="the picture to write")
+    p.add_argument(
+        "-o", "--output", required=True, type=picture, metavar="FILE.png", help=f"the picture ({', '.join(FORMATS)})"
+    )
+    p.add_argument("--json", action="store_true", help="what was drawn, as JSON: file, builds, pages, violations")
     p.set_defaults(func=cmd_plot)

@@ -15,6 +15,8 @@ import argparse
 import io
 import sys
 
+import kvcli
+
 from kvcached.ledger.events import (
     BlockAlloc,
     BlockFree,
@@ -116,7 +118,7 @@ class _Page(_Focus):
 
     def state(self, lg: Ledger) -> str:
         p = self.page
-        parts = ["mapped" if lg.is_mapped(p) else "unmapped", f"{lg.allocated_blocks(p)} block(s)"]
+        parts = ["mapped" if lg.is_mapped(p) else "unmapped", kvcli.plural(lg.allocated_blocks(p), "block")]
         if lg.is_pinned(p):
             parts.append("pinned")
         if lg.is_releasable(p):
@@ -199,7 +201,7 @@ class _Request(_Focus):
         if self.req is None:
             return "not named (yet)"
         waiting = sum(1 for n in self.jobs.values() if n > 0)
-        return f"{len(self.jobs)} job(s), {waiting} not fully reported"
+        return f"{kvcli.plural(len(self.jobs), 'job')}, {waiting} not fully reported"
 
 
 def timeline(trace: Trace, lg: Ledger, skip: int, focus: _Focus, derived: bool, limit: int) -> str:
@@ -236,7 +238,7 @@ def timeline(trace: Trace, lg: Ledger, skip: int, focus: _Focus, derived: bool, 
                         emit(f"  !! {v.one_line()}")
                 seen = len(lg.violations)
     if hidden:
-        print(f"  ... and {hidden:,} more line(s) (--limit 0 shows all)", file=out)
+        print(f"  ... and {kvcli.plural(hidden, 'more line')} (--limit 0 shows all)", file=out)
     head = f"{trace.path}: {focus.title}, {lg.index:,} events replayed under {lg.policy.value}\n"
     return head + out.getvalue() + f"at the end: {focus.final(lg)}\n"
 
@@ -267,8 +269,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         "parentheses are events that do not name it but changed its state (a grace pin ending at a build).",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--page", type=int, metavar="P", help="a page id, as in a witness")
-    what.add_argument("--job", type=int, metavar="J", help="a job id")
+    what.add_argument("--page", type=kvcli.whole(0, "a page id"), metavar="P", help="a page id, as in a witness")
+    what.add_argument("--job", type=kvcli.whole(0, "a job id"), metavar="J", help="a job id")
     what.add_argument("--request", metavar="R", help="a request: the engine's id (e.g. cmpl-...) or the small integer")
-    p.add_argument("--limit", type=int, default=200, metavar="N", help="lines to print (0: all; default 200)")
+    p.add_argument(
+        "--limit",
+        type=kvcli.whole(0, "a number of lines"),
+        default=200,
+        metavar="N",
+        help="lines to print (0: all; default 200)",
+    )
     p.set_defaults(func=cmd_show)

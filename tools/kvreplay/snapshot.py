@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+import kvcli
+
 from kvcached.ledger.events import Policy
 from kvcached.ledger.ledger import Ledger
 
@@ -39,7 +41,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     lg = take(args.trace, args.at, args.output, args.policy, not args.no_progress)
     print(
         f"wrote {args.output}: the ledger after the first {lg.index:,} events (build {lg.build} open, "
-        f"{len(lg.violations)} violation(s) so far); continue with --from-snapshot {args.output}"
+        f"{kvcli.plural(len(lg.violations), 'violation')} so far); continue with --from-snapshot {args.output}"
     )
     return 0
 
@@ -52,7 +54,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(msgpack of LedgerSnapshot). check, show, stats and plot accept --from-snapshot SNAP and continue from it.",
     )
     p.add_argument("trace", metavar="TRACE", help="a kvcached journal (.kvj)")
-    p.add_argument("--at", type=int, required=True, metavar="N", help="how many events the snapshot follows")
+    p.add_argument(
+        "--at",
+        type=kvcli.whole(0, "a number of events"),
+        required=True,
+        metavar="N",
+        help="how many events the snapshot follows",
+    )
     p.add_argument("-o", "--output", required=True, metavar="SNAP", help="where to write the snapshot")
     p.add_argument("--policy", choices=[p.value for p in Policy], help="policy to replay under (default: recorded)")
     p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")

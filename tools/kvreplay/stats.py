@@ -20,6 +20,8 @@ import sys
 from array import array
 from typing import Any
 
+import kvcli
+
 from kvcached.ledger.events import BlockAlloc, BlockFree, BuildBoundary, PageMapped, PageUnmapped
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive
@@ -179,7 +181,7 @@ def render(s: Series, buckets: int) -> str:
     print(
         f"mapped page-builds {t['mapped_page_builds']:,}, of which empty {t['empty_page_builds']:,}; "
         f"peak mapped {t['peak_mapped_pages']:,}, peak pinned {t['peak_pinned_pages']:,}; "
-        f"{t['violations']:,} violation(s)",
+        f"{kvcli.plural(t['violations'], 'violation')}",
         file=out,
     )
     return out.getvalue()
@@ -202,6 +204,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         "empty (mapped without a block), pinned, releasable and free (not mapped); print them summarized over "
         "rows of builds.",
     )
-    p.add_argument("--rows", type=int, default=20, metavar="N", help="rows of builds (0: one per build; default 20)")
+    p.add_argument(
+        "--rows",
+        type=kvcli.whole(0, "a number of rows"),
+        default=20,
+        metavar="N",
+        help="rows of builds (0: one per build; default 20)",
+    )
     p.add_argument("--json", action="store_true", help="print a deterministic JSON report")
     p.set_defaults(func=cmd_stats)

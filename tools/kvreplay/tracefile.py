@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Final
 
+import kvcli
+
 from kvcached.errors import TraceError
 from kvcached.ledger import files, segments
 from kvcached.ledger.events import Event, Header, Policy
@@ -64,7 +66,7 @@ def torn_message(path: str, torn: TornTail, events: int) -> str:
     return (
         f"{path}: torn tail at byte {torn.offset}: the last frame is cut off ({torn.bytes_present} of "
         f"{torn.frame_bytes_expected} bytes present), as an interrupted write leaves it; "
-        f"using the {events} event(s) before it"
+        f"using the {kvcli.plural(events, 'event')} before it"
     )
 
 
@@ -129,7 +131,7 @@ class Trace:
             head = f"segment {j.given} of a rotated journal whose other segments are not named after it; read alone"
         else:
             whole = f"segment {j.given} of the rotated journal {j.base}, which has" if j.given else "a journal of"
-            head = f"{whole} {len(seg)} segment(s) ({names(seg)})"
+            head = f"{whole} {kvcli.plural(len(seg), 'segment')} ({names(seg)})"
             if j.pruned_below:  # the head is gone by design, not lost: the segments say so
                 head += f", segments 0 to {j.pruned_below - 1} deleted by its writer's size bound"
         read = [s for s, _ in j.read]

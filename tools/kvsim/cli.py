@@ -8,8 +8,9 @@ reduces a failing seed and writes its journal, expected report and case (see ``s
 
 A seed repeats exactly: the case is drawn from the seed alone, nothing reads the clock, and the
 hash seed is pinned (the command re-executes itself with ``PYTHONHASHSEED=0`` if it is not, since
-vLLM hands some ids over in sets of strings). Bad arguments are one line and exit 2. Exit 1 when
-a shipped variant (``ledger``) fails a seed, 0 otherwise.
+vLLM hands some ids over in sets of strings). Exit codes are the three tools' (``kvcli``): 2 a
+bad argument (one line), 1 a shipped variant (``ledger``) fails a seed, or the run cannot be done
+(no vLLM here, nothing to shrink), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -21,14 +22,11 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
+
+import kvcli
 
 VARIANTS = ("ledger", "legacy", "never-unmap", "vllm")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        self.exit(2, f"kvsim: {message} (see kvsim --help)\n")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -64,8 +62,9 @@ def _runs(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="kvsim", description="Seeded simulation of vLLM's scheduler and connector over kvcached.")
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    ap = kvcli.Parser(prog="kvsim", description="Seeded simulation of vLLM's scheduler and connector over kvcached.")
+    ap.add_argument("--version", action="version", version=kvcli.version("kvsim"))
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=kvcli.Parser)
     r = sub.add_parser("run", help="run seeds under every variant and count what fails")
     r.add_argument("--seeds", type=parse_seeds, required=True, help="1-500, 3,7,9 or 1-10,20")
     r.add_argument("--jobs", type=_jobs, default=1, help="processes (default 1)")
@@ -74,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("repro", help="the case of a seed and every check it fails, with step and block")
     p.add_argument("seed", type=_seed)
     p.add_argument("--variant", choices=VARIANTS, help="one variant (default: all)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the case and every variant's result as one JSON object")
     s = sub.add_parser("shrink", help="reduce a failing seed; write its journal and a test case")
     s.add_argument("seed", type=_seed)
     s.add_argument("-o", "--output", required=True, metavar="DIR", help="where to write (traces/ for a golden test)")
@@ -83,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--check", help="the check to keep failing (default: the first the variant fails)")
     s.add_argument("--max-runs", type=_runs, default=150, help="runs of candidate cases at most (default 150)")
+    s.add_argument("--json", action="store_true", help="one JSON object at the end: the check, runs and files written")
     return ap
 
 
@@ -111,10 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from kvcached.vllm.testing.sim.result import CHECKS, Coverage
 
-    variants = tuple(v.strip() for v in args.variants.split(","))
-    if not variants or any(v not in VARIANTS for v in variants):
-        print(f"kvsim: --variants {args.variants!r}: choose from {', '.join(VARIANTS)}", file=sys.stderr)
-        return 2
+    variants = tuple(v.strip() for v in args.variants.split(","))  # checked by main
     fails: dict[str, dict[str, int]] = {v: {} for v in variants}
     failed_seeds: dict[str, int] = dict.fromkeys(variants, 0)
     cov = Coverage()
@@ -211,11 +208,18 @@ def cmd_shrink(args: argparse.Namespace) -> int:
         what = f"check {args.check}" if args.check else "any check"
         where = ", ".join(order)
         print(f"kvsim: seed {args.seed} does not fail {what} under {where}: nothing to shrink", file=sys.stderr)
-        return 2
+        return kvcli.FAILED
     check = args.check or checks[0]
-    print(f"seed {args.seed}: shrinking {check} under {variant}: {case.describe()}")
-    rep = shrink(case, variant, check, budget=args.max_runs, progress=print)
+    say = (lambda *_: None) if args.json else print
+    say(f"seed {args.seed}: shrinking {check} under {variant}: {case.describe()}")
+    rep = shrink(case, variant, check, budget=args.max_runs, progress=say)
     paths = write_case(rep, Path(args.output))
+    if args.json:
+        doc = {"seed": args.seed, "variant": variant, "check": check, "runs": rep.runs,
+               "case": rep.case.describe(), "failures": [f.line() for f in rep.result.failures],
+               "files": [str(p) for p in paths]}
+        print(json.dumps(doc))
+        return kvcli.OK
     print(f"after {rep.runs} runs: {rep.case.describe()}")
     for f in rep.result.failures:
         print(f"    {f.line()}")
@@ -226,27 +230,30 @@ def cmd_shrink(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.cmd == "run" and not {v.strip() for v in args.variants.split(",")} <= set(VARIANTS):
+        ap.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
+    if args.cmd == "shrink" and Path(args.output).exists() and not Path(args.output).is_dir():
+        ap.error(f"-o {args.output}: not a directory")
     _pin_hash_seed(argv)
     _quiet()
-    try:
-        if args.output if args.cmd == "shrink" else False:
-            out = Path(args.output)
-            if out.exists() and not out.is_dir():
-                print(f"kvsim: -o {out}: not a directory", file=sys.stderr)
-                return 2
-        return {"run": cmd_run, "repro": cmd_repro, "shrink": cmd_shrink}[args.cmd](args)
-    except ModuleNotFoundError as e:
-        if e.name is None or e.name.split(".")[0] not in _ENGINE_DEPS:
-            raise
-        print(
-            f"kvsim: it drives vLLM's real scheduler, and this environment has no {e.name}: "
-            "install vLLM 0.33.0 here (pip install vllm==0.33.0, which brings torch)",
-            file=sys.stderr,
-        )
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    body = {"run": cmd_run, "repro": cmd_repro, "shrink": cmd_shrink}[args.cmd]
+
+    def guarded() -> int:
+        try:
+            return body(args)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] not in _ENGINE_DEPS:
+                raise
+            print(
+                f"kvsim: it drives vLLM's real scheduler, and this environment has no {e.name}: "
+                "install vLLM 0.33.0 here (pip install vllm==0.33.0, which brings torch)",
+                file=sys.stderr,
+            )
+            return kvcli.FAILED
+
+    return kvcli.run("kvsim", guarded, debug_env="KVSIM_DEBUG", context=f"while running {args.cmd}")
 
 
 # What the simulation imports beyond kvcached: missing, it is an environment to set up, not a bug.

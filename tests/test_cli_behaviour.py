@@ -1,0 +1,80 @@
+"""kvreplay, kvctl and kvsim fail alike (issue 27's "one behaviour", ``tools/kvcli``).
+
+0 done, 1 a failed run, 2 a usage error in one line naming ``--help``; ``--version`` on each; a
+plain user error (a count of -1, nan or 1e400, a picture format matplotlib cannot write, no
+matplotlib, no vLLM) is never "internal error (a bug)". Each tool runs as its own process here,
+as a user or a script runs it, so that what reaches stderr and the exit status are what they see.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcached.version import KVCACHED_VERSION
+
+GOLDEN = sorted((Path(__file__).parent.parent / "traces").glob("*.kvj"))[0]
+
+
+def tool(name: str, *argv: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    code = f"import sys; {prelude}from {name}.cli import main; sys.exit(main({list(argv)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["kvreplay", "kvctl", "kvsim"])
+def test_version_is_the_packages(name: str) -> None:
+    r = tool(name, "--version")
+    assert (r.returncode, r.stdout.strip()) == (0, f"{name} (kvcached {KVCACHED_VERSION})"), r.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["kvreplay", "synth", "-o", "x.kvj", "--events", "-1"], "from 1 to 1,000,000,000"),
+        (["kvreplay", "check", str(GOLDEN), "--limit", "nan"], "not a whole number"),
+        (["kvreplay", "show", str(GOLDEN), "--page", "1e400"], "not a whole number"),
+        (["kvreplay", "minimize", str(GOLDEN), "-o", "m.kvj", "--max-seconds", "inf"], "above 0"),
+        (["kvreplay", "stats", str(GOLDEN), "--rows", "-3"], "from 0"),
+        (["kvreplay", "plot", str(GOLDEN), "-o", "x.txt"], ".png, .pdf, .svg"),
+        (["kvreplay", "check"], "required"),
+        (["kvsim", "run", "--seeds", "-5"], "1-500"),
+        (["kvsim", "run", "--seeds", "1", "--variants", "bogus"], "choose from"),
+        (["kvctl", "--timeout", "nan", "status"], "above 0"),
+    ],
+)
+def test_a_usage_error_is_one_line_and_exit_2(argv: list[str], words: str) -> None:
+    r = tool(argv[0], *argv[1:])
+    assert r.returncode == 2 and r.stdout == "", r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{argv[0]}: ") and words in lines[0], lines
+    assert "--help" in lines[0] and "internal error" not in lines[0]
+
+
+def test_unusable_input_is_exit_1_and_a_violation_too(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.kvj"
+    bad.write_bytes(b"not a journal at all")
+    r = tool("kvreplay", "check", str(bad))
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r
+    legacy = next(p for p in sorted(GOLDEN.parent.glob("*.legacy.kvj")))
+    r = tool("kvreplay", "check", "--no-progress", str(legacy))
+    assert r.returncode == 1 and "violation" in r.stdout and r.stderr == "", r
+
+
+def test_plot_without_matplotlib_says_which_extra(tmp_path: Path) -> None:
+    hide = "sys.modules['matplotlib'] = None; "
+    r = tool("kvreplay", "plot", str(GOLDEN), "-o", str(tmp_path / "p.png"), prelude=hide)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr.splitlines() == [
+        "kvreplay: kvreplay plot needs matplotlib, which this environment lacks: "
+        "pip install '.[replay]' from the kvcached checkout"
+    ]
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_kvsim_without_vllm_is_one_line_exit_1() -> None:
+    r = tool("kvsim", "run", "--seeds", "1", prelude="sys.modules['vllm'] = None; ")
+    assert r.returncode == 1 and r.stdout == "", r
+    assert len(r.stderr.splitlines()) == 1 and "install vLLM 0.33.0" in r.stderr
