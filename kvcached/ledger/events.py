@@ -299,11 +299,12 @@ def describe(event: Event) -> str:
     # An optional field that is absent (a boundary's time) says nothing: it is left out, so that
     # a timeline reads as it did before the field existed.
     values = ((f, getattr(event, f)) for f in event.__struct_fields__)
-    fields = ", ".join(f"{f}={_short(v)}" for f, v in values if v is not None)
+    fields = ", ".join(f"{f}={short(v)}" for f, v in values if v is not None)
     return f"{name}({fields})"
 
 
-def _short(value: object) -> str:
+def short(value: object) -> str:
+    """A field as timelines print it: an enum by name, a long block list cut to its first six."""
     if isinstance(value, enum.Enum):
         return value.name.lower()
     if isinstance(value, tuple) and len(value) > 8:

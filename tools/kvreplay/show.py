@@ -12,14 +12,18 @@ the page's state at the end is part of the answer; only the printing is limited.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import io
+import math
 import sys
 
 import kvcli
+import msgspec
 
 from kvcached.ledger.events import (
     BlockAlloc,
     BlockFree,
+    BuildBoundary,
     Event,
     JobBuilt,
     JobKind,
@@ -32,6 +36,7 @@ from kvcached.ledger.events import (
     WindowHold,
     WindowRelease,
     describe,
+    short,
 )
 from kvcached.ledger.findings import Violation
 from kvcached.ledger.ledger import Ledger
@@ -51,18 +56,39 @@ def _job_pages(lg: Ledger, ev: JobBuilt) -> set[int]:
     return {p for pool, ids in enumerate(ev.blocks) for p in _pages(lg, pool, ids)}
 
 
-def _ids(ids: tuple[int, ...]) -> str:
-    if len(ids) > 8:
-        return f"{', '.join(map(str, ids[:6]))}, ... {len(ids)} ids"
-    return ", ".join(map(str, ids))
+def wall(unix: float) -> str:
+    """A Unix time as a dashboard shows it: local time, with its offset, to the millisecond."""
+    return dt.datetime.fromtimestamp(unix).astimezone().isoformat(sep=" ", timespec="milliseconds")
 
 
-def _describe(ev: Event) -> str:
-    # describe() shortens flat block lists only; a job's are nested, one per pool.
+def when(text: str) -> float:
+    """An argparse ``type`` for ``--at``: ISO 8601 (``2026-12-03T14:05:00``, ``...+01:00``, a
+    space for the ``T``; without an offset it is local time, as a dashboard shows it) or a Unix
+    time (``1796306700.5``); the Unix time it names."""
+    try:
+        unix = float(text)
+    except ValueError:
+        try:
+            moment = dt.datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give a time as 2026-12-03T14:05:00 (local), with an offset (+01:00, Z), or in Unix seconds"
+            ) from None
+        return (moment if moment.tzinfo else moment.astimezone()).timestamp()
+    if not math.isfinite(unix) or not 0 <= unix < 2**33:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a Unix time (seconds since 1970, before the year 2242)")
+    return unix
+
+
+def _describe(ev: Event, clock_base: float = 0.0) -> str:
+    """``describe``'s spelling, the one of witnesses and ``kvctl tail``, with a job's block lists
+    shortened per pool as describe shortens a flat one, and a boundary's wall-clock time."""
     if isinstance(ev, JobBuilt):
-        pools = "; ".join(f"pool {i}: {_ids(ids)}" for i, ids in enumerate(ev.blocks) if ids)
+        pools = ", ".join(short(ids) for ids in ev.blocks)
         kind = JobKind(ev.kind).name.lower()
-        return f"JobBuilt(job={ev.job}, kind={kind}, req={ev.req}, blocks=[{pools}], workers={ev.workers})"
+        return f"JobBuilt(job={ev.job}, kind={kind}, req={ev.req}, blocks=({pools}), workers={ev.workers})"
+    if isinstance(ev, BuildBoundary) and ev.at_us is not None and clock_base:
+        return f"BuildBoundary(build={ev.build}) at {wall(clock_base + ev.at_us / 1e6)}"
     return describe(ev)
 
 
@@ -204,16 +230,21 @@ class _Request(_Focus):
         return f"{kvcli.plural(len(self.jobs), 'job')}, {waiting} not fully reported"
 
 
-def timeline(trace: Trace, lg: Ledger, skip: int, focus: _Focus, derived: bool, limit: int) -> str:
+def timeline(
+    trace: Trace, lg: Ledger, skip: int, focus: _Focus, derived: bool, limit: int, as_json: bool = False
+) -> str:
     out = io.StringIO()
+    items: list[dict[str, object]] = []  # what --json prints: the same lines, as fields
     lines = hidden = 0
     seen = len(lg.violations)
     before = focus.state(lg)
+    base = trace.header.clock_base_unix
 
-    def emit(text: str) -> None:
+    def emit(text: str, item: dict[str, object]) -> None:
         nonlocal lines, hidden
         if limit <= 0 or lines < limit:
             print(text, file=out)
+            items.append(item)
             lines += 1
         else:
             hidden += 1
@@ -229,14 +260,20 @@ def timeline(trace: Trace, lg: Ledger, skip: int, focus: _Focus, derived: bool, 
             hit = focus.relevant(lg, ev)
             after = focus.state(lg)
             if hit or after != before:
-                shown = _describe(ev) if hit else f"({_describe(ev)})"
-                emit(f"  event {index:>7}  build {build:>5}  {shown}  -> {after}")
+                text = _describe(ev, base)
+                shown = text if hit else f"({text})"
+                item = {"index": index, "build": build, "event": text, "names_it": hit, "state": after}
+                emit(f"  event {index:>7}  build {build:>5}  {shown}  -> {after}", item)
             before = after
             if len(lg.violations) != seen:
                 for v in lg.violations[seen:]:
                     if focus.about(v):
-                        emit(f"  !! {v.one_line()}")
+                        emit(f"  !! {v.one_line()}", {"violation": v.one_line()})
                 seen = len(lg.violations)
+    if as_json:
+        doc = {"trace": trace.path, "focus": focus.title, "events_replayed": lg.index, "policy": lg.policy.value,
+               "lines": items, "hidden": hidden, "end": focus.final(lg)}
+        return msgspec.json.encode(doc).decode() + "\n"
     if hidden:
         print(f"  ... and {kvcli.plural(hidden, 'more line')} (--limit 0 shows all)", file=out)
     head = f"{trace.path}: {focus.title}, {lg.index:,} events replayed under {lg.policy.value}\n"
@@ -244,6 +281,10 @@ def timeline(trace: Trace, lg: Ledger, skip: int, focus: _Focus, derived: bool, 
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.at is not None:
+        from .at import show_at
+
+        return show_at(args)
     with Trace(args.trace, progress=not args.no_progress) as trace:
         lg, skip = start_ledger(trace, args.policy, args.from_snapshot)
         focus: _Focus
@@ -255,7 +296,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             focus = _Job(args.job)
         else:
             focus = _Request(args.request)
-        sys.stdout.write(timeline(trace, lg, skip, focus, args.derive, args.limit))
+        sys.stdout.write(timeline(trace, lg, skip, focus, args.derive, args.limit, args.json))
     return 0
 
 
@@ -272,6 +313,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
     what.add_argument("--page", type=kvcli.whole(0, "a page id"), metavar="P", help="a page id, as in a witness")
     what.add_argument("--job", type=kvcli.whole(0, "a job id"), metavar="J", help="a job id")
     what.add_argument("--request", metavar="R", help="a request: the engine's id (e.g. cmpl-...) or the small integer")
+    what.add_argument(
+        "--at",
+        type=when,
+        metavar="TIME",
+        help="the build that ran at TIME (2026-12-03T14:05:00 local, with an offset, or Unix seconds): "
+        "its events and the ledger's state, for an incident seen on a dashboard (needs a served engine's journal)",
+    )
     p.add_argument(
         "--limit",
         type=kvcli.whole(0, "a number of lines"),
@@ -279,4 +327,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         metavar="N",
         help="lines to print (0: all; default 200)",
     )
+    p.add_argument("--json", action="store_true", help="the same lines as JSON fields (index, build, event, state)")
     p.set_defaults(func=cmd_show)
