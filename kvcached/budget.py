@@ -322,6 +322,14 @@ def _usage(name: str, files: _Files) -> BudgetUsage:
     )
 
 
+def budget_exists(name: str, *, directory: str | None = None) -> bool:
+    """Whether an engine or ``kvctl budget NAME SIZE`` has made budget ``name``, asked without
+    making anything (``budget_usage`` opens its lock file, which would create the name)."""
+    _check_name(name)
+    d = directory or budget_dir()
+    return any(os.path.lexists(os.path.join(d, f"budget-{name}{ext}")) for ext in (".json", ".lock"))
+
+
 def budget_usage(name: str, *, directory: str | None = None) -> BudgetUsage:
     """What a budget holds, for ``kvctl list`` (joins nothing; dead engines' shares are dropped)."""
     files = _Files(name, directory)

@@ -32,6 +32,10 @@ class ConfigError(KvcachedError):
     """A setting or a combination of settings kvcached does not support."""
 
 
+class LimitRefusedError(KvcachedError):
+    """A memory limit below what one request of the model needs: say the floor, offer --force."""
+
+
 class CapacityError(KvcachedError):
     """No memory for the request now: free blocks, or raise the memory limit or the budget."""
 

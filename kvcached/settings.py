@@ -189,6 +189,13 @@ MAX_DUMPS: Final = Var(
     name="KVCACHED_MAX_DUMPS", kind="count", default="20", low=1, high=100_000,
     hint="a whole number of flight-recorder dumps an engine keeps, from 1 to 100,000 (20 by default)",
 )
+# Upstream kvcached's name for the least KV memory an engine may be limited to: a limit below the
+# floor (what one request of max_model_len needs, or this if larger) is refused unless forced
+# (kvctl limit --force), so that a typo cannot leave a server that admits no request.
+MIN_KV_CACHE: Final = Var(
+    name="KVCACHED_MIN_KV_CACHE_MB", kind="mib", default="0", high=MAX_SIZE,
+    hint="a size in MiB (0 or unset: one request of max_model_len is the floor of kvctl limit)",
+)
 SETTINGS: Final = (
     ENABLE,
     PAGE_SIZE,
@@ -209,6 +216,7 @@ SETTINGS: Final = (
     JOURNAL_KEEP_RUNS,
     JOURNAL_DURABILITY,
     MAX_DUMPS,
+    MIN_KV_CACHE,
 )
 
 # Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
@@ -269,6 +277,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     journal_keep_runs: int = 3  # KVCACHED_JOURNAL_KEEP_RUNS
     journal_durability: str = "interval"  # KVCACHED_JOURNAL_DURABILITY: none | interval | batch
     max_dumps: int = 20  # KVCACHED_MAX_DUMPS
+    min_kv_cache_bytes: int = 0  # KVCACHED_MIN_KV_CACHE_MB: the least a limit may be, beside one request
 
     @staticmethod
     def enabled_in(env: Mapping[str, str] | None = None) -> bool:
@@ -300,6 +309,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             journal_keep_runs=_count(e, JOURNAL_KEEP_RUNS),
             journal_durability=_text(e, JOURNAL_DURABILITY),
             max_dumps=_count(e, MAX_DUMPS),
+            min_kv_cache_bytes=_count(e, MIN_KV_CACHE),
         )
         if s.budget is not None and not BUDGET_NAME.fullmatch(s.budget):
             raise ConfigError(

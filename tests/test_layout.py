@@ -92,7 +92,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 # Which parts may import each optional dependency: the ones whose extra declares it (pyproject's
 # `replay` and `testing` extras), and kvctl, which prints plain text when rich is missing.
 OPTIONAL_USERS = {
-    "rich": ("kvreplay", "kvcached.vllm.testing", "kvctl.cli"),
+    "rich": ("kvreplay", "kvcached.vllm.testing", "kvctl.render", "kvctl.engines"),
     # kvcached.vllm.testing.elastic: the main job's timeline plot, imported lazily (no plot without it);
     # the demo's .venv-cpu gets it from the `test` extra.
     "matplotlib": ("kvreplay.plot", "kvcached.vllm.testing.elastic"),

@@ -345,7 +345,7 @@ def test_kvctl_pins_status_why_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert lg is not None
         rc, text = kvctl_run("--socket", path, "pins")
         lines = text.splitlines()
-        assert rc == 0 and lines[0].startswith(f"{lg.pinned_pages} pinned page(s)")
+        assert rc == 0 and lines[0].startswith(f"{lg.pinned_pages} pinned pages")
         assert lines[1].split() == ["PAGE", "PIN", "JOB", "OR", "REQUEST", "SINCE", "BUILD", "WAITING", "WORKERS"]
         assert len(lines) == 2 + len(live.pin_rows(lg))
         first = live.pin_rows(lg)[0]
@@ -376,7 +376,8 @@ def test_kvctl_pins_status_why_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert [r["type"] for r in rows] == [type(e).__name__ for e in TRACE[5000:5003]]  # put again
 
 
-def test_kvctl_errors_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvctl_errors_are_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A failed run (no engine there, a refused request): exit 1 since issue 27 (it was 2, now the usage error's).
     missing = str(tmp_path / "nope.sock")
     stale = str(tmp_path / "stale.sock")
     with socket.socket(socket.AF_UNIX) as s:
@@ -385,12 +386,12 @@ def test_kvctl_errors_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Cap
         (["--socket", missing, "status"], "no such socket"),
         (["--socket", stale, "pins"], "nothing listens there"),
     ]:
-        assert kvctl.main(argv) == 2
+        assert kvctl.main(argv) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expect in err and err.startswith("kvctl: ") and "Traceback" not in err
     path = sock_path(tmp_path)
     with BackgroundService.start(HEADER, ServiceConfig(socket=path)):
-        assert kvctl.main(["--socket", path, "why", "123456"]) == 2
+        assert kvctl.main(["--socket", path, "why", "123456"]) == 1
         err = capsys.readouterr().err
         assert err.startswith("kvctl: the ledger service refused the request: why: page 123456")
 

@@ -110,6 +110,7 @@ def test_the_ring_keeps_between_one_and_two_capacities() -> None:
 # --- kvctl against a service with an engine behind it ----------------------------------------------
 
 PAGE = 64 << 10
+CONTROLS: dict[str, LiveControl] = {}  # the engine fixture's, by socket: a test may give it a floor
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]
     info = messages.EngineInfo(model="tiny-llama", pid=os.getpid(), api_pid=None, port=8123, socket=sock,
                                started_unix=0.0, policy="ledger", vllm="-", kvcached="-")
-    bg.service.control = LiveControl(eng, info, PAGE)  # type: ignore[arg-type]
+    bg.service.control = CONTROLS[sock] = LiveControl(eng, info, PAGE)  # type: ignore[arg-type]
     try:
         yield sock, manager
     finally:
@@ -201,6 +202,102 @@ def test_dump_over_the_socket_replays(
     assert got["clean"] and got["summary"]["events"] == manager.recorder.ledger.index
 
 
+def test_a_limit_below_the_floor_is_refused_unless_forced(
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock, manager = engine
+    control = CONTROLS[sock]
+    control.floor_pages, control.floor_why = 8, "one request of max_model_len 512 needs 32 blocks on 8 pages"
+    before = manager.state().limit
+    code, out, err = kv(capsys, "limit", "256K")  # four pages, under the floor of eight
+    assert code == 1 and out == "" and err.count("\n") == 1, (code, out, err)
+    assert "limit: 256 KiB is below this engine's floor of 512 KiB (one request of max_model_len 512" in err
+    assert "--force" in err and manager.state().limit == before  # nothing changed
+    code, out, _ = kv(capsys, "limit-percent", "5")  # 5% of 64 pages: under the floor too
+    assert code == 1
+    code, out, err = kv(capsys, "limit", "512K", "--json")  # at the floor: allowed
+    assert code == 0 and json.loads(out)["limit_pages"] == 8 and json.loads(out)["floor_bytes"] == 8 * PAGE, err
+    code, out, err = kv(capsys, "limit", "256K", "--force", "--json")
+    assert code == 0 and json.loads(out)["limit_pages"] == 4, err
+    _, out, _ = kv(capsys, "status")
+    assert "floor" in out and "512 KiB: one request of max_model_len 512" in out
+
+
+def test_kvctl_status_with_only_dead_sockets_says_no_engine_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("KVCACHED_LEDGER_SOCKET", raising=False)
+    folder = tmp_path / "kvcached"
+    folder.mkdir()
+    for pid in (999997, 999998):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(folder / f"ledger-{pid}.sock"))  # bound, never listening: what SIGKILL leaves
+    code, out, err = kv(capsys, "status")
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert f"no kvcached engine is running (2 dead sockets in {folder}; kvctl list --prune removes them)" in err
+
+
+def test_list_prune_removes_only_dead_sockets(
+    engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock, _ = engine
+    folder = tmp_path / "kvcached"
+    dead = folder / "ledger-999999.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(dead))
+    other = folder / "notes.sock"  # not a socket, whatever its name
+    other.write_text("mine")
+    link = folder / "ledger-link.sock"
+    link.symlink_to(dead)
+    code, out, _ = kv(capsys, "list", "--prune")
+    assert code == 0 and out.startswith(f"removed 1 dead socket: {dead}\n") and sock in out
+    assert not dead.exists() and os.path.exists(sock) and other.read_text() == "mine" and link.is_symlink()
+    code, out, _ = kv(capsys, "list", "--prune", "--json")
+    assert code == 0 and [r["socket"] for r in json.loads(out)] == [sock]  # nothing left to prune
+
+
+def test_budget_that_does_not_exist_is_not_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    code, out, err = kv(capsys, "budget", "gpu7")
+    assert code == 1 and out == "" and "no budget named 'gpu7'" in err and err.count("\n") == 1
+    assert list(tmp_path.rglob("budget-gpu7*")) == []  # asking made nothing
+    code, out, _ = kv(capsys, "budget", "gpu7", "1G")
+    assert code == 0 and "budget gpu7: 0 B used of 1 GiB" in out
+    code, out, _ = kv(capsys, "budget", "gpu7")
+    assert code == 0 and "of 1 GiB" in out
+    code, _, err = kv(capsys, "budget", "gpu7", "lots")
+    assert code == 2 and "budget" in err
+
+
+def test_watch_on_a_pipe_prints_listings_and_json_lines(
+    engine: tuple[str, KVCacheManager], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock, _ = engine
+    calls = {"n": 0}
+
+    def stop_after_two(_: float) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvctl.engines.time.sleep", stop_after_two)
+    code, out, _ = kv(capsys, "watch", "-n", "0.5", "--json")
+    assert code == 130 and [len(json.loads(line)) for line in out.splitlines()] == [1, 1]
+    calls["n"] = 0
+    code, out, _ = kv(capsys, "watch", "-n", "0.5")
+    assert code == 130 and out.count("tiny-llama") == 2 and out.count(sock) == 2
+
+
+def test_wide_rows_are_never_cut(engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]) -> None:
+    # A socket path longer than 80 columns stays whole on a pipe: it can be pasted back.
+    sock, _ = engine
+    _, out, _ = kv(capsys, "list")
+    assert any(line.rstrip().endswith(sock) for line in out.splitlines()) and len(sock) > 20
+
+
 def test_a_dead_socket_is_not_listed_as_alive(
     engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -215,21 +312,21 @@ def test_a_dead_socket_is_not_listed_as_alive(
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["limit", "12x"], "not a size"),
-        (["limit", "a", "b", "c"], "one value"),
-        (["limit-percent", "150"], "0 to 100"),
-        (["kvtop"], "kvctl watch"),
-        (["-e", "no-such-model", "status"], "no running kvcached engine"),
-        (["why", "100000"], "not a page"),
+    ("argv", "message", "exit"),
+    [  # 2: the command line is wrong; 1: the engine is not there or refuses (issue 27: they were all 2)
+        (["limit", "12x"], "not a size", 2),
+        (["limit", "a", "b", "c"], "one value", 2),
+        (["limit-percent", "150"], "from 0 to 100", 2),
+        (["kvtop"], "kvctl watch", 2),
+        (["-e", "no-such-model", "status"], "no running kvcached engine", 1),
+        (["why", "100000"], "not a page", 1),
     ],
 )
 def test_errors_are_one_line(
-    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str], argv: list[str], message: str, exit: int
 ) -> None:
     code, _out, err = kv(capsys, *argv)
-    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert code == exit and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_help_on_every_subcommand_and_version(capsys: pytest.CaptureFixture[str]) -> None:

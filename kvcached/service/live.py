@@ -331,7 +331,8 @@ class LiveServer:
             if size is not None and size > MAX_SIZE:
                 return ErrorReply(f"limit: {size} bytes is beyond any machine's memory")
             try:
-                memory = await anyio.to_thread.run_sync(control.set_limit, None if size is None or size < 0 else size)
+                limit = None if size is None or size < 0 else size
+                memory = await anyio.to_thread.run_sync(control.set_limit, limit, request.force)
             except KvcachedError as exc:
                 return ErrorReply(f"limit: {exc}")
             return LimitReply(memory)

@@ -31,6 +31,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     page: int | None = None  # for why
     limit: int | None = None  # for pins: at most this many rows
     size: int | None = None  # for limit: the memory limit in bytes; negative: no limit
+    force: bool = False  # for limit: below the engine's floor (one request of max_model_len) too
 
 
 class PinRow(msgspec.Struct, frozen=True, array_like=True):
@@ -143,6 +144,9 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     reason: str  # one line: within the limit, or what the shrink waits on
     held_pages: int = 0  # reserved pages a pin keeps mapped (the rest of the reserve may go)
     budget: BudgetStatus | None = None
+    # The least limit kvctl sets unforced: one request of max_model_len (and KVCACHED_MIN_KV_CACHE_MB)
+    floor_pages: int = 0
+    floor_why: str = ""  # what the floor is made of, for the refusal's line
 
     @property
     def mapped_bytes(self) -> int:
@@ -155,6 +159,10 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def capacity_bytes(self) -> int:
         return self.num_pages * self.page_bytes
+
+    @property
+    def floor_bytes(self) -> int:
+        return self.floor_pages * self.page_bytes
 
 
 class FlightStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -224,7 +232,8 @@ class EngineControl(Protocol):
 
     def memory(self) -> MemoryStatus: ...
 
-    def set_limit(self, size: int | None) -> MemoryStatus: ...  # bytes; None: no limit
+    # bytes; None: no limit. Below the floor raises LimitRefusedError unless ``force``.
+    def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus: ...
 
 
 class LiveSource(Protocol):

@@ -2,7 +2,7 @@
 
 The scenario is ``kvcached.vllm.testing.elastic`` (the main job shows the same run): engines A and B
 name one budget of 80 MiB, less than their two 64 MiB KV caches. A is loaded until it holds most
-of the budget, limited while idle with a full prefix cache (``kvctl limit A 8M``, which wakes the idle engine
+of the budget, limited while idle with a full prefix cache (``kvctl limit A 8M --force``, which wakes the idle engine
 core itself; the scenario's fallback poke must not be needed), B is loaded
 far beyond what was left, A's limit is lifted and A serves again; then B is limited, A fills the
 budget, and A is killed with SIGKILL while it holds its pages: B, loaded again, must map A's

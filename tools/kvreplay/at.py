@@ -22,7 +22,8 @@ import msgspec
 from kvcached.ledger.events import BuildBoundary, Event
 from kvcached.ledger.simulate import derive
 
-from .show import _describe, wall
+from .timeline_text import describe_event as _describe
+from .timeline_text import wall
 from .tracefile import ReplayError, Trace, start_ledger
 
 

@@ -12,9 +12,7 @@ the page's state at the end is part of the answer; only the printing is limited.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import io
-import math
 import sys
 
 import kvcli
@@ -23,10 +21,8 @@ import msgspec
 from kvcached.ledger.events import (
     BlockAlloc,
     BlockFree,
-    BuildBoundary,
     Event,
     JobBuilt,
-    JobKind,
     JobReported,
     PageMapped,
     PageUnmapped,
@@ -35,13 +31,13 @@ from kvcached.ledger.events import (
     RequestPreempted,
     WindowHold,
     WindowRelease,
-    describe,
-    short,
 )
 from kvcached.ledger.findings import Violation
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive
 
+from .timeline_text import describe_event as _describe
+from .timeline_text import when
 from .tracefile import ReplayError, Trace, start_ledger
 
 
@@ -54,42 +50,6 @@ def _pages(lg: Ledger, pool: int, blocks: tuple[int, ...]) -> set[int]:
 
 def _job_pages(lg: Ledger, ev: JobBuilt) -> set[int]:
     return {p for pool, ids in enumerate(ev.blocks) for p in _pages(lg, pool, ids)}
-
-
-def wall(unix: float) -> str:
-    """A Unix time as a dashboard shows it: local time, with its offset, to the millisecond."""
-    return dt.datetime.fromtimestamp(unix).astimezone().isoformat(sep=" ", timespec="milliseconds")
-
-
-def when(text: str) -> float:
-    """An argparse ``type`` for ``--at``: ISO 8601 (``2026-12-03T14:05:00``, ``...+01:00``, a
-    space for the ``T``; without an offset it is local time, as a dashboard shows it) or a Unix
-    time (``1796306700.5``); the Unix time it names."""
-    try:
-        unix = float(text)
-    except ValueError:
-        try:
-            moment = dt.datetime.fromisoformat(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: give a time as 2026-12-03T14:05:00 (local), with an offset (+01:00, Z), or in Unix seconds"
-            ) from None
-        return (moment if moment.tzinfo else moment.astimezone()).timestamp()
-    if not math.isfinite(unix) or not 0 <= unix < 2**33:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a Unix time (seconds since 1970, before the year 2242)")
-    return unix
-
-
-def _describe(ev: Event, clock_base: float = 0.0) -> str:
-    """``describe``'s spelling, the one of witnesses and ``kvctl tail``, with a job's block lists
-    shortened per pool as describe shortens a flat one, and a boundary's wall-clock time."""
-    if isinstance(ev, JobBuilt):
-        pools = ", ".join(short(ids) for ids in ev.blocks)
-        kind = JobKind(ev.kind).name.lower()
-        return f"JobBuilt(job={ev.job}, kind={kind}, req={ev.req}, blocks=({pools}), workers={ev.workers})"
-    if isinstance(ev, BuildBoundary) and ev.at_us is not None and clock_base:
-        return f"BuildBoundary(build={ev.build}) at {wall(clock_base + ev.at_us / 1e6)}"
-    return describe(ev)
 
 
 class _Focus:

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ...errors import LimitRefusedError
 from ...service.messages import BudgetStatus, EngineInfo, MemoryStatus
+from ...settings import format_size
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -28,11 +30,12 @@ class LiveControl:
     """The ``EngineControl`` of one engine (``service.messages``): its identity, its memory and
     its limit, each under the engine's lock."""
 
-    def __init__(self, engine: Engine, info: EngineInfo, page_cost: int) -> None:
+    def __init__(self, engine: Engine, info: EngineInfo, page_cost: int, floor: tuple[int, str] = (0, "")) -> None:
         self.engine = engine
         self.lock = engine.lock
         self._info = info
         self.page_cost = page_cost  # bytes one page costs: one page in every region of every backend
+        self.floor_pages, self.floor_why = floor  # request_floor's: the least limit set unforced
 
     def info(self) -> EngineInfo:
         return self._info
@@ -51,9 +54,17 @@ class LiveControl:
         u = budget.usage()
         return msgspec.structs.replace(status, budget=BudgetStatus(name=u.name, size=u.size, used=u.used))
 
-    def set_limit(self, size: int | None) -> MemoryStatus:
+    def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus:
         """Sets the memory limit to ``size`` bytes, rounded down to whole pages (None: no limit),
-        and shrinks as far as pins allow now; the rest follows as they are released."""
+        and shrinks as far as pins allow now; the rest follows as they are released. A limit
+        below the floor (``request_floor``) would leave an engine that admits no request of its
+        max_model_len, waiting for memory that never comes: it is refused unless ``force``."""
+        if size is not None and not force and size // self.page_cost < self.floor_pages:
+            floor = format_size(self.floor_pages * self.page_cost)
+            raise LimitRefusedError(
+                f"{format_size(size)} is below this engine's floor of {floor} ({self.floor_why}); "
+                "pass --force to set it anyway"
+            )
         with self.lock:  # Engine.set_limit_bytes refuses a negative size and an engine without the pool
             self.engine.set_limit_bytes(size)
             if not self.engine.offloading:
@@ -77,7 +88,34 @@ class LiveControl:
             page_bytes=self.page_cost, num_pages=manager.allocator.num_pages, mapped_pages=st.mapped,
             in_use_pages=st.in_use, reserved_pages=st.reserved, limit_pages=st.limit,
             shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason, held_pages=st.held,
+            floor_pages=self.floor_pages, floor_why=self.floor_why,
         )
+
+
+def request_floor(scheduler: Any, blocks_per_page: int, page_cost: int, min_bytes: int = 0) -> tuple[int, str]:
+    """The least limit in pages that still admits one request of ``max_model_len``, and what it
+    is made of. vLLM's block pool serves every KV cache group of a hybrid model, so a request
+    needs the blocks of each; each group's spec says how many its layers need at most
+    (``KVCacheSpec.max_memory_usage_bytes``, what vLLM's ``check_enough_kv_cache_memory`` sums to
+    refuse a KV cache too small at start-up: a sliding window needs only its window, Mamba its
+    state). ``KVCACHED_MIN_KV_CACHE_MB`` (upstream kvcached's model-aware minimum) raises it."""
+    config = getattr(scheduler, "vllm_config", None)
+    groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None) or []
+    max_len = int(getattr(getattr(config, "model_config", None), "max_model_len", 0) or 0)
+    blocks = 0
+    for group in groups:
+        spec = group.kv_cache_spec
+        try:
+            need = -(-int(spec.max_memory_usage_bytes(config)) // int(spec.page_size_bytes))
+        except (AttributeError, NotImplementedError, TypeError, ZeroDivisionError):
+            need = -(-max_len // int(getattr(spec, "block_size", 16) or 16))  # full attention's
+        blocks += need
+    pages = -(-blocks // max(1, blocks_per_page))
+    why = f"one request of max_model_len {max_len:,} needs {blocks:,} blocks on {pages:,} pages" if blocks else ""
+    extra = -(-min_bytes // page_cost) if min_bytes else 0
+    if extra > pages:
+        pages, why = extra, f"KVCACHED_MIN_KV_CACHE_MB is {min_bytes / (1 << 20):g}" + (f"; {why}" if why else "")
+    return pages, why
 
 
 def engine_index(scheduler: Any) -> int:

@@ -79,7 +79,8 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         versions={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
         backend=backends[0].kind, page_size=geometry.page_bytes, compiled=slow is None,
     )
-    live = control.LiveControl(engine, info, engine.page_bytes)
+    floor = control.request_floor(scheduler, geometry.blocks_per_page, engine.page_bytes, settings.min_kv_cache_bytes)
+    live = control.LiveControl(engine, info, engine.page_bytes, floor)
     engine.control = live
     if engine.service is not None:
         engine.service.service.control = live

@@ -6,9 +6,10 @@ back, a busy one maps. This is that, end to end, on vLLM's CPU build: two ``vllm
 their KV caches, and an operator steers them with ``kvctl`` (a separate process, as one runs it):
 
 1. A is loaded until it holds most of the budget (its prefix cache keeps the pages);
-2. idle, A is limited (``kvctl limit A 8M``): it evicts its cached blocks page by page and gives
-   the pages back once its engine core takes a step, for their grace pins to end (the plugin's
-   own wake-up is seen to reach it or not; else a utility call, ``GET /is_sleeping``, does);
+2. idle, A is limited (``kvctl limit A 8M --force``, below its floor on purpose): it evicts its
+   cached blocks page by page and gives the pages back once its engine core takes a step, for
+   their grace pins to end (the plugin's own wake-up is seen to reach it or not; else a utility
+   call, ``GET /is_sleeping``, does);
 3. B is loaded, and grows into what A gave back, far beyond what was left before;
 4. A's limit is lifted (``none``) and A serves again within what is left;
 5. B is limited, A is loaded until the budget is full, B's limit is lifted, and A is killed
@@ -201,7 +202,9 @@ def limit_idle(runtime: Path, pid: int, server: Server, size: str, seen: dict[st
     no request or cache (``GET /is_sleeping``, vLLM's dev API): ``seen[key]``. The pages the
     limit empties wait for one build of the connector (their grace), which an idle engine core
     makes only when something wakes it (``Engine.set_limit_bytes``)."""
-    seen[key + "_reply"] = kvctl(runtime, "limit", str(pid), size, "--json")
+    # --force: an idle engine is drained below its floor (one request of max_model_len, 32 MiB
+    # here) on purpose, to show the pages go; its limit is lifted before it serves again.
+    seen[key + "_reply"] = kvctl(runtime, "limit", str(pid), size, "--force", "--json")
     seen[key + "_idle"] = st = _wait_within_limit(runtime, pid, 5.0)
     seen[key + "_poked"] = bool(st["memory"]["shrink_pending"])
     if seen[key + "_poked"]:
