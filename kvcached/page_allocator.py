@@ -46,6 +46,7 @@ import msgspec
 from .backends.base import PageStillMappedError
 from .errors import BackendError, CapacityError, KvcachedError
 from .ledger.events import MemoryLimit, PageMapped, PageUnmapped
+from .ledger.findings import plural
 from .ledger.recorder import Recorder
 from .settings import format_size as format_bytes
 
@@ -388,7 +389,7 @@ class PageAllocator:
                 waiting["in use (blocks allocated)"] = len(self._in_use) - self.limit
             over = self.mapped - self.limit
             detail = ", ".join(f"{n} {why}" for why, n in sorted(waiting.items()))
-            reason = f"shrink pending: {over} page(s) over the limit; waiting on {detail}"
+            reason = f"shrink pending: {plural(over, 'page')} over the limit; waiting on {detail}"
         else:
             reason = "within the limit"
             budget = self.budget

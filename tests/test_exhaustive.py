@@ -43,6 +43,7 @@ from kvcached.ledger.events import (
     WindowHold,
     WindowRelease,
 )
+from kvcached.ledger.findings import plural
 from kvcached.ledger.ledger import Ledger
 
 REQS = (0, 1)
@@ -102,7 +103,7 @@ def explore(policy: Policy, workers: int, k: int) -> int:
             try:
                 assert_agrees(led, want)
             except AssertionError as e:
-                raise AssertionError(f"{policy.value}, {workers} worker(s), after {child.events}: {e}") from e
+                raise AssertionError(f"{policy.value}, {plural(workers, 'worker')}, after {child.events}: {e}") from e
             count += 1
             visit(child, led, depth + 1)
 

@@ -396,7 +396,7 @@ def test_why_explains_in_words() -> None:
     lg = ledger("ledger", PageMapped(0), RequestAdded(1, "req-x"), BlockAlloc(0, (0,)), job)
     lg.apply(BlockFree(0, (0,)))
     text = lg.why(0).describe()
-    assert "store job 2 of request req-x since build 0, waiting on 2 worker(s)" in text
+    assert "store job 2 of request req-x since build 0, waiting on 2 workers" in text
     assert "grace" in text
 
 

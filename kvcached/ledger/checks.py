@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import msgspec
 
 from .events import JobBuilt, JobKind
-from .findings import ChainLink
+from .findings import ChainLink, plural
 from .tables import LedgerTables
 
 
@@ -66,7 +66,7 @@ def _store_of_lost_blocks(t: LedgerTables, ev: JobBuilt, pool: int, ids: Sequenc
     if not lost:
         return False
     b, p = lost[0]
-    more = f" (+{len(lost) - 1} more block(s))" if len(lost) > 1 else ""
+    more = f" (+{plural(len(lost) - 1, 'more block')})" if len(lost) > 1 else ""
     chain = _links(
         t,
         ChainLink(step="alloc", index=t.balloc_ix[pool][b], build=-1, what=f"block {b} written (allocated)"),
@@ -114,7 +114,7 @@ def store_owner(t: LedgerTables, ev: JobBuilt) -> None:
     if not bad:
         return
     pool, b, held, (at, by) = bad[0]
-    more = f" (+{len(bad) - 1} more block(s))" if len(bad) > 1 else ""
+    more = f" (+{plural(len(bad) - 1, 'more block')})" if len(bad) > 1 else ""
     mine, theirs = t.request_name(ev.req), t.request_name(by) if by >= 0 else "another request"
     if held < 0:
         why = f"which request {mine} never held"
@@ -147,7 +147,7 @@ def unmap_under_jobs(t: LedgerTables, p: int) -> None:
         t.job_violation.setdefault(job, []).append(len(t.violations))
         t.violate(
             "I1", "unmap-under-job",
-            f"page {p} unmapped while {_kind(kind)} job {job} still waits on {workers - reported} worker(s)",
+            f"page {p} unmapped while {_kind(kind)} job {job} still waits on {plural(workers - reported, 'worker')}",
             page=p, job=job, request=t.request_name(req), chain=chain,
         )
 
@@ -169,8 +169,9 @@ def finished_request(t: LedgerTables, req: int, n: int) -> None:
     since = t.finished[req]
     t.violate(
         "I4", "pin-outlives-request",
-        f"job {job} of request {t.request_name(req)}, finished in build {since}, still pins {len(pages)} "
-        f"page(s) {n - since} builds later (waiting on {workers - reported} worker(s))",
+        f"job {job} of request {t.request_name(req)}, finished in build {since}, still pins "
+        f"{plural(len(pages), 'page')} {plural(n - since, 'build')} later "
+        f"(waiting on {plural(workers - reported, 'worker')})",
         job=job, request=t.request_name(req), page=pages[0] if pages else None,
     )
 
@@ -185,8 +186,8 @@ def shrink(t: LedgerTables, n: int) -> None:
             t.stall_reported = True
             t.violate(
                 "I4", "shrink-stalled",
-                f"{t.mapped_pages} pages mapped over a limit of {t.limit} for {n - t.stall_since} builds "
-                f"while {len(t.releasable)} page(s) could be unmapped",
+                f"{plural(t.mapped_pages, 'page')} mapped over a limit of {t.limit} for "
+                f"{plural(n - t.stall_since, 'build')} while {plural(len(t.releasable), 'page')} could be unmapped",
                 page=min(t.releasable),
             )
     else:
@@ -201,7 +202,7 @@ def shrink(t: LedgerTables, n: int) -> None:
             t.hold_reported.add(req)
             t.violate(
                 "I4", "holds-block-shrink",
-                f"window holds of request {t.request_name(req)}, preempted in build {since}, keep {len(held)} "
-                f"page(s) mapped over the limit of {t.limit} for {n - start} builds",
+                f"window holds of request {t.request_name(req)}, preempted in build {since}, keep "
+                f"{plural(len(held), 'page')} mapped over the limit of {t.limit} for {plural(n - start, 'build')}",
                 request=t.request_name(req), page=min(held),
             )

@@ -12,6 +12,13 @@ from typing import Final, Literal
 
 import msgspec
 
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``1 page``, ``2 pages``, ``1,024 pages``; ``many`` for the irregular ones. The one spelling of
+    a count in every message kvcached writes (witnesses, kvreplay, kvctl, kvsim: ``kvcli`` uses it)."""
+    word = noun if n == 1 else (many if many is not None else noun + "s")
+    return f"{n:,} {word}"
+
 InvariantId = Literal["I1", "I2", "I3", "I4", "I5"]
 
 INVARIANTS: Final[dict[str, str]] = {
@@ -69,7 +76,7 @@ class PinReason(msgspec.Struct, frozen=True, kw_only=True):
         if self.kind == "job":
             return (
                 f"{self.job_kind} job {self.job} of request {self.request} since build "
-                f"{self.since_build}, waiting on {self.waiting_workers} worker(s)"
+                f"{self.since_build}, waiting on {plural(self.waiting_workers or 0, 'worker')}"
             )
         if self.kind == "grace":
             return f"grace after a free in build {self.since_build}, until build {self.until_build} is built"
@@ -88,7 +95,7 @@ class PageStatus(msgspec.Struct, frozen=True, kw_only=True):
 
     def describe(self) -> str:
         state = "mapped" if self.mapped else "unmapped"
-        head = f"page {self.page}: {state}, {self.allocated_blocks} block(s) allocated"
+        head = f"page {self.page}: {state}, {plural(self.allocated_blocks, 'block')} allocated"
         if self.releasable:
             return f"{head}; may be unmapped ({self.policy})"
         reasons = []

@@ -55,6 +55,7 @@ from .events import (
     WindowHold,
     WindowRelease,
 )
+from .findings import plural
 from .queries import LedgerQueries
 from .state import LedgerSnapshot, restore_snapshot, take_snapshot
 from .tables import LedgerTables
@@ -401,7 +402,7 @@ class Ledger(LedgerQueries):
             return
         if reported > workers:
             t.violate(
-                "I3", "over-report", f"job {job} reported {reported} times for {workers} worker(s)",
+                "I3", "over-report", f"job {job} reported {plural(reported, 'time')} for {plural(workers, 'worker')}",
                 job=job, request=t.request_name(st[1]),
             )
         jobpins, pins, legacy = t.jobpins, t.pins, t.legacy
@@ -541,7 +542,7 @@ class Ledger(LedgerQueries):
             return
         if t.page_alloc[p]:
             n = t.page_alloc[p]
-            t.violate("I2", "unmap-with-blocks", f"page {p} unmapped with {n} block(s) allocated", page=p)
+            t.violate("I2", "unmap-with-blocks", f"page {p} unmapped with {plural(n, 'block')} allocated", page=p)
         if t.jobpins[p]:
             checks.unmap_under_jobs(t, p)
         t.mapped[p] = 0

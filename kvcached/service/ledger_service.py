@@ -44,6 +44,7 @@ import msgspec
 from kvcached.errors import JournalWriteError, KvcachedError
 from kvcached.ledger.events import Event, Gap, Header
 from kvcached.ledger.files import FileId, create_temp, discard, fsync_dir, install
+from kvcached.ledger.findings import plural
 from kvcached.ledger.journal import JournalWriter, encode_batch
 from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.segments import segment_header, segment_path, snapshot_path, write_snapshot
@@ -427,7 +428,7 @@ class LedgerService:
         # previous run's files are kept under P.run<N> (journal_files explains the rules).
         kept, pruned = journal_files.claim(base, self.config.keep_runs)
         if kept is not None:
-            gone = f"; the files of {pruned} older run(s) were deleted (keep_runs={self.config.keep_runs})"
+            gone = f"; the files of {plural(pruned, 'older run')} were deleted (keep_runs={self.config.keep_runs})"
             log.info("kvcached: the previous run's journal is kept as %s%s", kept, gone if pruned else "")
         self._writer = self._open_segment(0)
         self._state = "writing"

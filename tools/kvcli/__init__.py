@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Final, NoReturn
 
 from kvcached.errors import KvcachedError
+from kvcached.ledger.findings import plural
 from kvcached.settings import format_size
 from kvcached.version import KVCACHED_VERSION
 
@@ -91,12 +92,6 @@ def version(tool: str) -> str:
 
 def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def plural(n: int, noun: str, many: str | None = None) -> str:
-    """``1 page``, ``2 pages``, ``1,024 pages``; ``many`` for the irregular ones."""
-    word = noun if n == 1 else (many if many is not None else noun + "s")
-    return f"{n:,} {word}"
 
 
 def run(tool: str, body: Callable[[], int], *, debug_env: str, context: str = "") -> int:

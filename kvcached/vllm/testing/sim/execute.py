@@ -29,6 +29,7 @@ from kvcached.backends.host import HostBackend
 from kvcached.errors import KvcachedError
 from kvcached.kv_cache_manager import KVGeometry
 from kvcached.ledger.events import Policy
+from kvcached.ledger.findings import plural
 from kvcached.vllm.engine_core.engine import Engine, EngineConfig, assemble
 from kvcached.vllm.testing.harness import Harness, HarnessConfig
 from kvcached.vllm.testing.sim.draw import BLOCK_SIZE, Abort, Add, Case, Limit, Reset, Step, request_tokens
@@ -231,9 +232,9 @@ class _Run:
                 m = self.kvc.engine.manager
                 left = []
                 if led.pinned_pages:
-                    left.append(f"{led.pinned_pages} pinned page(s)")
+                    left.append(plural(led.pinned_pages, "pinned page"))
                 if led.outstanding_jobs():
-                    left.append(f"{led.outstanding_jobs()} job(s) outstanding")
+                    left.append(f"{plural(led.outstanding_jobs(), 'job')} outstanding")
                 if m is not None and m.state().shrink_pending:
                     left.append("a shrink pending")
                 if left:
@@ -241,7 +242,7 @@ class _Run:
         elif "hang" not in f.first and "crash" not in f.first:
             pending = [j for w in h.transfer_workers for j in w.pending_job_ids]
             if pending:
-                f.fail("leftover", h.step_index, f"at the end: {len(pending)} job(s) pending in the workers")
+                f.fail("leftover", h.step_index, f"at the end: {plural(len(pending), 'job')} pending in the workers")
         cov = Coverage(
             steps=h.step_index,
             requests=len(self.ids),
