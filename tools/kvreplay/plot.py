@@ -16,7 +16,7 @@ import os
 from typing import Final
 
 import msgspec
-from kvcli import plural
+from kvcli import format_size, plural
 
 from .stats import Series, collect
 from .tracefile import ReplayError, Trace, start_ledger
@@ -93,7 +93,7 @@ def draw(s: Series, out: str) -> None:
         else:
             ax.text(0.5, 0.5, "no build boundaries in the trace", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("build")
-        ax.set_ylabel(f"pages ({lg.header.page_bytes >> 20} MiB each)" if lg.header.page_bytes >= 1 << 20 else "pages")
+        ax.set_ylabel(f"pages ({format_size(lg.header.page_bytes)} each)")
         ax.set_ylim(0, max(lg.num_pages, 1))
         how = "derived" if s.derived else "recorded"
         ax.set_title(

@@ -142,10 +142,10 @@ def report(s: Series, buckets: int) -> dict[str, Any]:
 def render(s: Series, buckets: int) -> str:
     lg = s.ledger
     out = io.StringIO()
-    mib = lg.header.page_bytes / (1 << 20)
     how = "derived" if s.derived else "recorded"
     print(
-        f"{s.path}: {len(s.build):,} builds, {lg.num_pages:,} pages of {mib:g} MiB; policy {lg.policy.value}, "
+        f"{s.path}: {kvcli.plural(len(s.build), 'build')}, {kvcli.plural(lg.num_pages, 'page')} of "
+        f"{kvcli.format_size(lg.header.page_bytes)}; policy {lg.policy.value}, "
         f"{how} decisions; page counts at the end of each build, mean (max) per row",
         file=out,
     )
