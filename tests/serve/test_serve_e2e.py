@@ -15,6 +15,7 @@ added with kvcached, and not with native vLLM.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -186,6 +187,30 @@ def test_ledger_journal_replays_clean(runs: dict[str, Run]) -> None:
     assert rc == 0 and "clean" in report, report
     assert "0 outstanding" in report
     _keep(run.journal)
+
+
+def test_a_served_journal_finds_a_build_by_its_time(runs: dict[str, Run]) -> None:
+    """A served engine stamps its build boundaries (issue 27), so an incident's time on a
+    dashboard leads to its build: ``kvreplay show --at`` halfway between two boundaries names the
+    later one's build, as the engine ran it."""
+    from kvcached.ledger.events import BuildBoundary
+    from kvcached.ledger.journal import read_journal
+
+    run = runs["ledger"]
+    assert run.journal is not None
+    got = read_journal(run.journal)
+    base = got.header.clock_base_unix
+    assert base > 0 and abs(base - time.time()) < 3600, base
+    stamps = [(b.build, b.at_us) for b in got.events if isinstance(b, BuildBoundary)]
+    assert stamps and all(t is not None for _, t in stamps), stamps[:5]
+    pairs = [(a, b) for a, b in itertools.pairwise(stamps) if (b[1] or 0) > (a[1] or 0)]
+    (_, t0), (build, t1) = pairs[len(pairs) // 2]
+    at = base + ((t0 or 0) + (t1 or 0)) / 2e6
+    r = subprocess.run(
+        [sys.executable, "-m", "kvreplay.cli", "show", str(run.journal), "--at", f"{at:.6f}", "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0 and f"build {build} was running" in r.stdout.splitlines()[0], r.stdout + r.stderr
 
 
 # --- elasticity ------------------------------------------------------------------------------
