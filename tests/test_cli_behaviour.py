@@ -8,6 +8,8 @@ as a user or a script runs it, so that what reaches stderr and the exit status a
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +80,32 @@ def test_kvsim_without_vllm_is_one_line_exit_1() -> None:
     r = tool("kvsim", "run", "--seeds", "1", prelude="sys.modules['vllm'] = None; ")
     assert r.returncode == 1 and r.stdout == "", r
     assert len(r.stderr.splitlines()) == 1 and "install vLLM 0.33.0" in r.stderr
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices)
+
+
+def test_every_subcommand_that_prints_data_has_json() -> None:
+    from kvctl.parse import NOT_HERE
+    from kvctl.parse import parser as kvctl_parser
+    from kvreplay.cli import build_parser as kvreplay_parser
+    from kvsim.cli import build_parser as kvsim_parser
+
+    for tool, parser, exempt in (
+        ("kvreplay", kvreplay_parser(), set()),
+        ("kvsim", kvsim_parser(), set()),
+        ("kvctl", kvctl_parser(), set(NOT_HERE)),  # upstream's commands that only say they are not here
+    ):
+        subs = _subcommands(parser)
+        missing = [n for n, p in subs.items() if n not in exempt and "--json" not in p._option_string_actions]
+        assert subs and missing == [], (tool, missing)
+
+
+def test_demo_json_is_one_object_per_scenario_and_policy() -> None:
+    r = tool("kvreplay", "demo", "--json", "finish-in-write-step")
+    rows = json.loads(r.stdout)
+    assert r.returncode == 0 and [(x["scenario"], x["policy"]) for x in rows] == [
+        ("finish-in-write-step", "legacy"), ("finish-in-write-step", "ledger")]
+    assert rows[0]["violations"] and rows[1]["violations"] == []

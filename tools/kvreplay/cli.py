@@ -28,9 +28,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.save:
         print("\n".join(make.save_scenarios(args.save, args.scenario)))
         return 0
-    from .demo import render
+    from .demo import render, results
 
-    sys.stdout.write(render(args.scenario or None))
+    sys.stdout.write(results(args.scenario or None) if args.json else render(args.scenario or None))
     return 0
 
 
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="instead, write each scenario as a trace under both policies (DIR/NAME-POLICY.kvj) to try kvreplay on",
     )
+    demo.add_argument("--json", action="store_true", help="per scenario and policy: violations, unmaps, peak pins")
     demo.set_defaults(func=_cmd_demo)
     make.add_parser(sub)
     return parser

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 
+import msgspec
 from kvcli import plural
 
 from kvcached.ledger.findings import Violation
@@ -31,6 +32,20 @@ def _witness(v: Violation) -> list[str]:
     for c in v.chain:
         lines.append(f"      {c.step:>9}  event {c.index:>3}, build {c.build}: {c.what}")
     return lines
+
+
+def results(names: list[str] | None = None) -> str:
+    """What ``render`` says, as one JSON object per scenario and policy (``demo --json``)."""
+    rows = []
+    for name in names or list(SCENARIOS):
+        sc = SCENARIOS[name]()
+        for policy in ("legacy", "ledger"):
+            ledger, unmaps = _run(sc, policy)
+            rows.append({
+                "scenario": sc.name, "policy": policy, "unmaps": unmaps, "peak_pinned_pages": ledger.peak_pinned_pages,
+                "violations": [f"{v.invariant} {v.code}: {v.message}" for v in ledger.violations],
+            })
+    return msgspec.json.encode(rows).decode() + "\n"
 
 
 def render(names: list[str] | None = None) -> str:

@@ -59,6 +59,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
     n = write(args.output, header, events, Policy(args.policy), args.inputs_only)
     how = "no decisions" if args.inputs_only else f"decisions derived under {args.policy}"
     what = f"{args.events:,} inputs of the synthetic workload, seed {args.seed}"
+    if args.json:
+        doc = {"file": args.output, "events": n, "inputs": args.events, "seed": args.seed,
+               "policy": None if args.inputs_only else args.policy}
+        print(msgspec.json.encode(doc).decode())
+        return 0
     print(f"wrote {args.output}: {n:,} events ({what}; {how})")
     return 0
 
@@ -90,4 +95,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="STEPS",
         help="preempt a running request every STEPS steps (default 0: never)",
     )
+    p.add_argument("--json", action="store_true", help="what was written, as JSON: file, events, seed, policy")
     p.set_defaults(func=cmd_synth)

@@ -522,6 +522,13 @@ def cmd_minimize(args: argparse.Namespace) -> int:
         decisions=args.decisions,
         seconds=args.max_seconds,
     )
+    if args.json:
+        decisions = sum(1 for ev in res.events if type(ev) in DECISIONS)
+        doc = {"file": args.output, "target": res.target, "derived": res.derived, "events_read": res.events_read,
+               "events": len(res.events), "decisions": decisions, "replays": res.replays,
+               "seconds": round(res.seconds, 3), "timed_out": res.timed_out}
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        return 0
     sys.stdout.write(render(res, args.trace, args.output))
     return 0
 
@@ -557,4 +564,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="S",
         help="stop shrinking after S seconds",
     )
+    p.add_argument("--json", action="store_true", help="what was written, as JSON: file, target, events, replays")
     p.set_defaults(func=cmd_minimize)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 import kvcli
+import msgspec
 
 from kvcached.ledger.events import Policy
 from kvcached.ledger.ledger import Ledger
@@ -39,6 +40,10 @@ def take(path: str, at: int, out: str, policy: str | None = None, progress: bool
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     lg = take(args.trace, args.at, args.output, args.policy, not args.no_progress)
+    if args.json:
+        doc = {"file": args.output, "events": lg.index, "build": lg.build, "violations": len(lg.violations)}
+        print(msgspec.json.encode(doc).decode())
+        return 0
     print(
         f"wrote {args.output}: the ledger after the first {lg.index:,} events (build {lg.build} open, "
         f"{kvcli.plural(len(lg.violations), 'violation')} so far); continue with --from-snapshot {args.output}"
@@ -64,4 +69,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("-o", "--output", required=True, metavar="SNAP", help="where to write the snapshot")
     p.add_argument("--policy", choices=[p.value for p in Policy], help="policy to replay under (default: recorded)")
     p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    p.add_argument("--json", action="store_true", help="what was written, as JSON: file, events, build, violations")
     p.set_defaults(func=cmd_snapshot)
