@@ -39,11 +39,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build(tmp_path_factory.mktemp("tiny-llama-op")))
 
 
-def _kvctl(runtime: Path, *argv: str, check: bool = True) -> Any:
+def _kvctl_run(runtime: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     env.pop("KVCACHED_LEDGER_SOCKET", None)
-    r = subprocess.run([sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True,
-                       env=env, timeout=60)
+    return subprocess.run([sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def _kvctl(runtime: Path, *argv: str, check: bool = True) -> Any:
+    r = _kvctl_run(runtime, *argv)
     if check:
         assert r.returncode == 0, r.stderr
     if "--json" in argv:
@@ -108,6 +112,8 @@ def _serve(model: str, out: Path, kvcached: bool, runtime: Path) -> tuple[list[C
             time.sleep(1.0)
             seen["rss_limited"], seen["kv_limited"] = rss_bytes(worker), kv_resident_bytes(worker)
             seen["status_limited"] = _kvctl(runtime, "status", "--json")
+            seen["too_low"] = _kvctl_run(runtime, "limit", "1M")  # below one request of max_model_len
+            seen["status_after_refusal"] = _kvctl(runtime, "status", "--json")
             seen["why"] = _kvctl(runtime, "why", "0", "--json")
             seen["raised"] = _kvctl(runtime, "limit", "none", "--json")
             outputs += [server.complete(p, n) for p, n in steady[:3]]
@@ -171,6 +177,18 @@ def test_a_halved_limit_under_load_gives_memory_back_and_changes_no_output(serve
     # The worker's own KV memory, not the scheduler's opinion of it: what its mappings hold.
     assert limited <= KV // 2, "the worker's memory did not follow the limit"
     assert seen["raised"]["limit_bytes"] >= KV - mem["page_bytes"]
+
+
+def test_a_limit_below_one_request_is_refused_and_changes_nothing(served: dict[str, Any]) -> None:
+    """Issue 27: a served engine's floor is what one request of its max_model_len needs (vLLM's
+    own count per KV cache group); a limit under it is one line and exit 1, and the limit stays."""
+    seen = served["seen"]
+    mem = seen["status_limited"]["memory"]
+    assert mem["floor_bytes"] > 1 * MiB and "one request of max_model_len" in mem["floor_why"], mem
+    r = seen["too_low"]
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1, (r.returncode, r.stderr)
+    assert "1 MiB is below this engine's floor of" in r.stderr and "--force" in r.stderr
+    assert seen["status_after_refusal"]["memory"]["limit_bytes"] == mem["limit_bytes"]
 
 
 def test_metrics_carry_kvcached_series_that_agree_with_kvctl(served: dict[str, Any]) -> None:
