@@ -7,10 +7,12 @@ the host backend behind ``kvctl limit``.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 
 from kvcached.backends.host import HostBackend
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
-from kvcached.ledger.events import BuildBoundary, Header, Policy
+from kvcached.ledger.events import BuildBoundary, Header, Policy, PoolGeometry
 from kvcached.ledger.segments import RotatedJournal
 from kvcached.service import messages
 from kvcached.service.flight import FlightRecorder
@@ -238,23 +240,101 @@ def test_kvctl_status_with_only_dead_sockets_says_no_engine_runs(
     assert f"no kvcached engine is running (2 dead sockets in {folder}; kvctl list --prune removes them)" in err
 
 
+def dead_socket(path: Path, age: float = 60.0) -> Path:
+    """A socket bound and never listened on (what SIGKILL leaves), made ``age`` seconds old: a
+    younger one may be an engine between its bind and its listen, which pruning leaves alone."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+    if age:
+        then = time.time() - age
+        os.utime(path, (then, then), follow_symlinks=False)
+    return path
+
+
 def test_list_prune_removes_only_dead_sockets(
     engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     sock, _ = engine
     folder = tmp_path / "kvcached"
-    dead = folder / "ledger-999999.sock"
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(str(dead))
+    dead = dead_socket(folder / "ledger-999999.sock")
+    young = dead_socket(folder / "ledger-999998.sock", age=0)  # bound just now: maybe about to listen
     other = folder / "notes.sock"  # not a socket, whatever its name
     other.write_text("mine")
     link = folder / "ledger-link.sock"
     link.symlink_to(dead)
+    then = time.time() - 60
+    os.utime(sock, (then, then))  # the live engine's, old: it answers, so it stays
     code, out, _ = kv(capsys, "list", "--prune")
     assert code == 0 and out.startswith(f"removed 1 dead socket: {dead}\n") and sock in out
     assert not dead.exists() and os.path.exists(sock) and other.read_text() == "mine" and link.is_symlink()
+    assert young.is_socket()
     code, out, _ = kv(capsys, "list", "--prune", "--json")
     assert code == 0 and [r["socket"] for r in json.loads(out)] == [sock]  # nothing left to prune
+
+
+def test_the_service_prunes_dead_sockets_beside_its_own_on_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("KVCACHED_LEDGER_SOCKET", raising=False)
+    folder = tmp_path / "kvcached"
+    folder.mkdir(mode=0o700)
+    header = Header(page_bytes=4096, pools=(PoolGeometry(64, 4),), workers=1)
+    first = BackgroundService.start(header, ServiceConfig(socket=str(folder / "ledger-1.sock")))
+    try:
+        then = time.time() - 60
+        os.utime(folder / "ledger-1.sock", (then, then))  # a live engine's, old
+        dead = dead_socket(folder / "ledger-999999.sock")
+        young = dead_socket(folder / "ledger-999998.sock", age=0)
+        foreign = dead_socket(folder / "other.sock")  # dead, but not named as engines name theirs
+        fake = folder / "ledger-999997.sock"
+        fake.write_text("not a socket")
+        link = folder / "ledger-999996.sock"
+        link.symlink_to(foreign)
+        second = BackgroundService.start(header, ServiceConfig(socket=str(folder / "ledger-2.sock")))
+        second.close()
+        assert not dead.exists()
+        assert (folder / "ledger-1.sock").is_socket() and young.is_socket() and foreign.is_socket()
+        assert fake.read_text() == "not a socket" and link.is_symlink()
+    finally:
+        first.close()
+
+
+def test_one_live_engine_among_dead_sockets_is_the_one(
+    engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for pid in (999997, 999998):
+        dead_socket(tmp_path / "kvcached" / f"ledger-{pid}.sock")
+    code, out, err = kv(capsys, "status")
+    assert code == 0 and "tiny-llama" in out, err
+
+
+def test_min_kv_cache_mb_raises_the_floor(
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from types import SimpleNamespace as NS
+
+    from kvcached.settings import Settings
+    from kvcached.vllm.engine_core.control import request_floor
+
+    sock, manager = engine
+    settings = Settings.from_env({"KVCACHED_MIN_KV_CACHE_MB": "1"})
+    assert settings.min_kv_cache_bytes == 1 << 20 and Settings.from_env({}).min_kv_cache_bytes == 0
+    # vLLM's scheduler as request_floor reads it: one full-attention group of 16-token blocks.
+    group = NS(kv_cache_spec=NS(block_size=16))
+    scheduler = NS(vllm_config=NS(model_config=NS(max_model_len=512)), kv_cache_config=NS(kv_cache_groups=[group]))
+    assert request_floor(scheduler, 4, PAGE) == (8, "one request of max_model_len 512 needs 32 blocks on 8 pages")
+    assert request_floor(object(), 4, PAGE) == (0, "")  # nothing known of the model: no floor
+    pages, why = request_floor(scheduler, 4, PAGE, settings.min_kv_cache_bytes)
+    assert pages == (1 << 20) // PAGE and why.startswith("KVCACHED_MIN_KV_CACHE_MB is 1; one request")
+    control = CONTROLS[sock]
+    control.floor_pages, control.floor_why = pages, why
+    before = manager.state().limit
+    code, _, err = kv(capsys, "limit", "768K")  # above one request's 8 pages, below the setting's 16
+    assert code == 1 and "768 KiB is below this engine's floor of 1 MiB (KVCACHED_MIN_KV_CACHE_MB is 1" in err
+    assert manager.state().limit == before
+    code, out, err = kv(capsys, "limit", "1M", "--json")
+    assert code == 0 and json.loads(out)["limit_pages"] == 16, err
 
 
 def test_budget_that_does_not_exist_is_not_made(
@@ -289,6 +369,48 @@ def test_watch_on_a_pipe_prints_listings_and_json_lines(
     calls["n"] = 0
     code, out, _ = kv(capsys, "watch", "-n", "0.5")
     assert code == 130 and out.count("tiny-llama") == 2 and out.count(sock) == 2
+
+
+class Terminal(io.StringIO):
+    """What kvctl writes to a terminal, kept: rich takes it for one (``isatty``)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_watch_on_a_terminal_redraws_in_place(
+    engine: tuple[str, KVCacheManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("rich")
+    sock, _ = engine
+    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setenv("TERM", "xterm-256color")
+    calls = {"n": 0}
+
+    def stop_after_two(_: float) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvctl.engines.time.sleep", stop_after_two)
+    screen = Terminal()
+    assert kvctl.main(["watch", "-n", "0.5"], out=screen) == 130
+    text = screen.getvalue()
+    # rich.live moves the cursor up over the last frame and clears its lines: in place, not appended.
+    assert "\x1b[1A" in text and "\x1b[2K" in text and text.count("tiny-llama") >= 2 and sock in text
+
+
+def test_a_wide_terminal_gets_its_whole_width(
+    engine: tuple[str, KVCacheManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("rich")
+    sock, _ = engine
+    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setenv("TERM", "xterm-256color")
+    screen = Terminal()
+    assert kvctl.main(["list"], out=screen) == 0
+    lines = screen.getvalue().splitlines()
+    assert any(sock in line for line in lines) and max(len(line) for line in lines) > 80, lines
 
 
 def test_wide_rows_are_never_cut(engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]) -> None:

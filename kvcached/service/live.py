@@ -34,6 +34,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from kvcached.errors import ConfigError, KvcachedError, ServiceError
 from kvcached.ledger.events import Event
+from kvcached.ledger.findings import plural
 from kvcached.service.messages import (
     LEN,
     MAX_REPLY,
@@ -186,6 +187,7 @@ class LiveServer:
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         prepare_socket_path(self.path)
+        _prune_beside(self.path)
         # anyio's default backlog, which the kernel caps at net.core.somaxconn (4096 on current
         # kernels): while every place is taken, that queue is where newcomers wait their turn.
         listener = await anyio.create_unix_listener(self.path, mode=0o600)
@@ -453,6 +455,69 @@ def find_socket(path: str | None = None) -> str:
     if not found:
         raise LiveViewError(f"no ledger service found in {folder}; pass --socket PATH or set {SOCKET_ENV}")
     raise LiveViewError(f"{len(found)} ledger services in {folder} ({', '.join(found)}); pick one with --socket")
+
+
+# A socket younger than this is not called dead: a service binds its socket a moment before it
+# listens, and a connect in between is refused too; an engine starting beside a prune (eight
+# data-parallel engine cores start at once, each pruning) must not lose its socket to it.
+DEAD_SOCKET_MIN_AGE: Final = 2.0
+
+
+def is_dead_socket(path: str, *, min_age: float = DEAD_SOCKET_MIN_AGE) -> bool:
+    """Whether ``path`` is certainly a socket nobody serves: a socket (``lstat``: a link is never
+    followed, a file is never one) of this user, bound at least ``min_age`` seconds ago, whose
+    connect is refused (ECONNREFUSED). A full listen queue (EAGAIN), a timeout or a permission
+    error say someone may be there, so they are not dead."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid() or time.time() - st.st_mtime < min_age:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
+
+
+def prune_dead_sockets(folder: str | None = None, *, prefix: str = "",
+                       min_age: float = DEAD_SOCKET_MIN_AGE) -> list[str]:
+    """Removes the dead sockets (``is_dead_socket``) of ``folder`` (the default directory) whose
+    names start with ``prefix``; returns those removed. What SIGKILL leaves piles up on a machine
+    that restarts servers all day, and every kvctl call and scrape would ask each of them."""
+    removed = []
+    for path in sockets_in(folder):
+        if os.path.basename(path).startswith(prefix) and is_dead_socket(path, min_age=min_age):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue  # gone meanwhile
+            except OSError as exc:
+                log.debug("kvcached: cannot remove the dead socket %s: %s", path, exc)
+                continue
+            removed.append(path)
+    return removed
+
+
+def _prune_beside(path: str) -> None:
+    """On start, the dead sockets of other engines in the default directory, where engines put
+    theirs (``ledger-<pid>.sock``); a directory the operator chose (``KVCACHED_LEDGER_SOCKET``)
+    may hold other programs' sockets, so it is left alone."""
+    folder = default_socket_dir()
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(folder):
+        return
+    try:
+        gone = prune_dead_sockets(folder, prefix="ledger-")
+    except OSError as exc:  # no descriptor for a probe, say: tidying up must not stop a start
+        log.debug("kvcached: not pruning dead sockets in %s: %s", folder, exc)
+        return
+    if gone:
+        log.info("kvcached: removed %s left by stopped engines in %s", plural(len(gone), "dead socket"), folder)
 
 
 def _connect(path: str, timeout: float) -> socket.socket:

@@ -17,7 +17,7 @@ this user on this machine that answers (``engines``).
     kvctl why PAGE [--json]                 everything that keeps one page
     kvctl tail [--count N] [--json]         events as the service journals them
     kvctl limit [ENGINE] SIZE [--force]     the engine's KV memory limit (512M, 2G, none), honouring pins
-    kvctl limit-percent [ENGINE] PCT        the same, as a percentage of the engine's KV capacity
+    kvctl limit-percent [ENGINE] PCT [--force]  the same, as a percentage of the KV capacity
     kvctl dump [ENGINE] -o FILE             the flight recorder's events as a replayable trace
     kvctl watch [-n SEC]                    kvctl list, redrawn every SEC seconds
     kvctl budget NAME [SIZE]                a memory budget shared by engines: its use, or set its size

@@ -6,17 +6,16 @@ machine that restarts servers all day. So a socket counts as an engine only if i
 ``kvctl status`` on a machine with one live engine and three dead sockets talks to the live one,
 with none it says that no engine runs (and how many dead sockets ``kvctl list --prune`` would
 remove) instead of "connection refused". Pruning removes only what is certainly dead: a socket
-(``lstat``, never following a link) owned by this user in that directory whose connect is
-refused; anything else there, a live socket, or one that merely timed out, stays.
+(``lstat``, never following a link) owned by this user in that directory, bound more than two
+seconds ago (an engine binds a moment before it listens), whose connect is refused; anything
+else there, a live socket, or one that merely timed out, stays. The service prunes the same way
+when it starts (``live.prune_dead_sockets``), so ``--prune`` is for what is left between starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import os
-import socket
-import stat
 import time
 from typing import TextIO
 
@@ -51,39 +50,10 @@ def discover(timeout: float = 2.0, folder: str | None = None) -> list[Found]:
     return found
 
 
-def _refused(path: str) -> bool:
-    """Whether ``path`` is a socket of this user that nothing listens on: connect says ECONNREFUSED."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
-        return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        return True
-    except OSError as exc:
-        return exc.errno == errno.ECONNREFUSED
-    finally:
-        probe.close()
-    return False
-
-
 def prune(folder: str | None = None) -> list[str]:
-    """Removes the dead sockets of the live view's directory; returns those removed."""
-    where = folder or live.default_socket_dir()
-    removed = []
-    for path in live.sockets_in(where):
-        if _refused(path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                continue  # gone meanwhile
-            removed.append(path)
-    return removed
+    """Removes the dead sockets of the live view's directory (``live.is_dead_socket``: this
+    user's sockets, bound a while ago, whose connect is refused); returns those removed."""
+    return live.prune_dead_sockets(folder or live.default_socket_dir())
 
 
 def pick(path: str | None, timeout: float) -> str:
