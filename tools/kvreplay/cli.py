@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 import kvcli
+import msgspec
 
 from kvcached.ledger.events import Policy
 from kvcached.testing.seed_cases import SCENARIOS
@@ -26,12 +27,24 @@ from . import check, compare, make, minimize, plot, show, snapshot, stats
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.save:
-        print("\n".join(make.save_scenarios(args.save, args.scenario)))
+        written = make.save_scenarios(args.save, args.scenario)
+        if args.json:
+            print(msgspec.json.encode(written).decode())
+        else:
+            print("\n".join(w.line() for w in written))
         return 0
     from .demo import render, results
 
     sys.stdout.write(results(args.scenario or None) if args.json else render(args.scenario or None))
     return 0
+
+
+class _Names(tuple[str, ...]):
+    """The scenario names as ``choices`` of a ``nargs="*"`` positional: Python 3.11's argparse
+    checks an empty one as the value ``[]``, which is allowed, but never names it in a usage line."""
+
+    def __contains__(self, value: object) -> bool:
+        return value == [] or super().__contains__(value)
 
 
 def _replay_options() -> argparse.ArgumentParser:
@@ -79,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay the built-in scenarios (the three freed-block-copy cases of upstream kvcached "
         "PR #598 and its review comment P2) with an eager allocator under both policies and print what each finds.",
     )
-    demo.add_argument("scenario", nargs="*", choices=[*SCENARIOS, []], help="scenarios to run (default: all)")
+    demo.add_argument("scenario", nargs="*", choices=_Names(SCENARIOS), help="scenarios to run (default: all)")
     demo.add_argument(
         "--save",
         metavar="DIR",
@@ -95,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "from_snapshot", None) and getattr(args, "derive", False):
-        parser.error("--from-snapshot needs the recorded decisions; it cannot be combined with --derive")
+        # The sub-command's --help is the one that lists both options.
+        kvcli.Parser(prog=f"kvreplay {args.command}").error(
+            "--from-snapshot needs the recorded decisions; it cannot be combined with --derive"
+        )
     trace = getattr(args, "trace", "")
     context = f"while running {args.command}" + (f" on {trace}" if trace else "")
     return kvcli.run("kvreplay", lambda: int(args.func(args)), debug_env="KVREPLAY_DEBUG", context=context)

@@ -30,8 +30,6 @@ from kvcached.ledger.simulate import derive
 from .check import SCHEMA, dumps, witness_lines
 from .tracefile import Trace, header_json, json_name
 
-MiB = 1 << 20
-
 
 @dataclasses.dataclass
 class PolicyRun:
@@ -121,10 +119,11 @@ def _cost_line(run: PolicyRun, base: PolicyRun, builds: int, page_bytes: int) ->
     name, other = run.ledger.policy.value, base.ledger.policy.value
     avg = run.extra_page_builds / builds if builds else 0.0
     more = "more" if run.extra_page_builds >= 0 else "fewer"
+    size = ("-" if avg < 0 else "+") + kvcli.format_size(round(abs(avg) * page_bytes))  # '+12.8 KiB', not '+0.0 MiB'
     return (
-        f"memory cost of safety: {name} held {abs(run.extra_page_builds):,} page-builds {more} than {other} "
-        f"({avg:+.2f} pages = {avg * page_bytes / MiB:+.1f} MiB per build on average, at most "
-        f"{run.peak_extra:+,} pages in one build)"
+        f"memory cost of safety: {name} held {kvcli.plural(abs(run.extra_page_builds), 'page-build')} {more} than "
+        f"{other} ({avg:+.2f} pages = {size} per build on average, at most +{kvcli.plural(run.peak_extra, 'page')} "
+        "in one build)"
     )
 
 
@@ -134,7 +133,8 @@ def render(result: CompareResult, limit: int) -> str:
     lg0 = base.ledger
     out = io.StringIO()
     print(
-        f"{result.path}: {result.events:,} events ({result.inputs:,} inputs), {lg0.builds:,} builds; "
+        f"{result.path}: {kvcli.plural(result.events, 'event')} ({kvcli.plural(result.inputs, 'input')}), "
+        f"{kvcli.plural(lg0.builds, 'build')}; "
         "decisions re-derived per policy by an eager allocator",
         file=out,
     )

@@ -41,16 +41,27 @@ def write(path: str, header: Header, events: Iterable[Event], policy: Policy, in
         return w.events_written
 
 
-def save_scenarios(directory: str, names: list[str]) -> list[str]:
+class Saved(msgspec.Struct, frozen=True):
+    """One trace ``demo --save`` wrote (its ``--json`` prints a list of them)."""
+
+    file: str
+    scenario: str
+    policy: str
+    events: int
+
+    def line(self) -> str:
+        return f"wrote {self.file}: {kvcli.plural(self.events, 'event')}, decisions derived under {self.policy}"
+
+
+def save_scenarios(directory: str, names: list[str]) -> list[Saved]:
     os.makedirs(directory, exist_ok=True)
-    lines = []
+    written = []
     for name in names or list(SCENARIOS):
         sc = SCENARIOS[name]()
         for policy in Policy:
             path = os.path.join(directory, f"{name}.{policy.value}.kvj")
-            n = write(path, sc.header, sc.events, policy)
-            lines.append(f"wrote {path}: {n} events, decisions derived under {policy.value}")
-    return lines
+            written.append(Saved(path, name, policy.value, write(path, sc.header, sc.events, policy)))
+    return written
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -58,13 +69,13 @@ def cmd_synth(args: argparse.Namespace) -> int:
     header = msgspec.structs.replace(synth.header(), meta={**synth.header().meta, "seed": str(args.seed)})
     n = write(args.output, header, events, Policy(args.policy), args.inputs_only)
     how = "no decisions" if args.inputs_only else f"decisions derived under {args.policy}"
-    what = f"{args.events:,} inputs of the synthetic workload, seed {args.seed}"
+    what = f"{kvcli.plural(args.events, 'input')} of the synthetic workload, seed {args.seed}"
     if args.json:
         doc = {"file": args.output, "events": n, "inputs": args.events, "seed": args.seed,
                "policy": None if args.inputs_only else args.policy}
         print(msgspec.json.encode(doc).decode())
         return 0
-    print(f"wrote {args.output}: {n:,} events ({what}; {how})")
+    print(f"wrote {args.output}: {kvcli.plural(n, 'event')} ({what}; {how})")
     return 0
 
 

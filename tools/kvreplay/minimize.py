@@ -49,7 +49,6 @@ from kvcached.ledger.events import (
     RequestPreempted,
     WindowHold,
     WindowRelease,
-    describe,
 )
 from kvcached.ledger.findings import INVARIANTS, Violation
 from kvcached.ledger.journal import JournalWriter
@@ -57,6 +56,7 @@ from kvcached.ledger.ledger import Ledger
 from kvcached.ledger.simulate import derive
 
 from .check import run_check, witness_lines
+from .timeline_text import describe_event
 from .tracefile import ReplayError, Trace
 
 # A piece of an event: (position in the trace, block id), block -1 meaning the whole event.
@@ -495,17 +495,17 @@ def render(res: MinimizeResult, src: str, out: str) -> str:
     print(f"{src}: target {res.target}; {how}", file=buf)
     n_dec = sum(1 for ev in res.events if type(ev) in DECISIONS)
     stop = " (stopped at the time limit)" if res.timed_out else ""
-    what = "inputs" if res.derived else "events"
+    what, p = ("input" if res.derived else "event"), kvcli.plural
     upto = " (up to the violation)" if res.stopped_early else ""
     print(
-        f"read {res.events_read:,} events{upto}; shrank the {res.prefix_events:,} {what} before it "
-        f"to {len(res.events)} events ({len(res.events) - n_dec} inputs, {n_dec} decisions) in {res.seconds:.1f} s, "
-        f"{res.replays:,} replays{stop}",
+        f"read {p(res.events_read, 'event')}{upto}; shrank the {p(res.prefix_events, what)} before it to "
+        f"{p(len(res.events), 'event')} ({p(len(res.events) - n_dec, 'input')}, {p(n_dec, 'decision')}) in "
+        f"{res.seconds:.1f} s, {p(res.replays, 'replay')}{stop}",
         file=buf,
     )
     if len(res.events) <= SHOW_EVENTS:
         for i, ev in enumerate(res.events):
-            print(f"  {i:>3}  {describe(ev)}", file=buf)
+            print(f"  {i:>3}  {describe_event(ev)}", file=buf)
     check = run_check(out, progress=False)
     print(f"wrote {out}; kvreplay check {out}:", file=buf)
     for v in check.ledger.violations[:3]:

@@ -236,7 +236,7 @@ def timeline(
         return msgspec.json.encode(doc).decode() + "\n"
     if hidden:
         print(f"  ... and {kvcli.plural(hidden, 'more line')} (--limit 0 shows all)", file=out)
-    head = f"{trace.path}: {focus.title}, {lg.index:,} events replayed under {lg.policy.value}\n"
+    head = f"{trace.path}: {focus.title}, {kvcli.plural(lg.index, 'event')} replayed under {lg.policy.value}\n"
     return head + out.getvalue() + f"at the end: {focus.final(lg)}\n"
 
 
@@ -250,7 +250,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         focus: _Focus
         if args.page is not None:
             if not 0 <= args.page < lg.num_pages:
-                raise ReplayError(f"{args.trace}: there is no page {args.page}; the trace has {lg.num_pages} pages")
+                has = kvcli.plural(lg.num_pages, "page")
+                raise ReplayError(f"{args.trace}: there is no page {args.page}; the trace has {has}")
             focus = _Page(args.page)
         elif args.job is not None:
             focus = _Job(args.job)

@@ -33,7 +33,7 @@ def take(path: str, at: int, out: str, policy: str | None = None, progress: bool
             if lg.index >= at:
                 break
         if lg.index < at:
-            raise ReplayError(f"{path}: --at {at} is past the end of the trace ({lg.index} events)")
+            raise ReplayError(f"{path}: --at {at} is past the end of the trace ({kvcli.plural(lg.index, 'event')})")
     write_snapshot(lg, out)
     return lg
 
@@ -45,7 +45,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         print(msgspec.json.encode(doc).decode())
         return 0
     print(
-        f"wrote {args.output}: the ledger after the first {lg.index:,} events (build {lg.build} open, "
+        f"wrote {args.output}: the ledger after the first {kvcli.plural(lg.index, 'event')} (build {lg.build} open, "
         f"{kvcli.plural(len(lg.violations), 'violation')} so far); continue with --from-snapshot {args.output}"
     )
     return 0

@@ -44,7 +44,9 @@ def describe_event(ev: Event, clock_base: float = 0.0) -> str:
     """``describe``'s spelling, the one of witnesses and ``kvctl tail``, with a job's block lists
     shortened per pool as describe shortens a flat one, and a boundary's wall-clock time."""
     if isinstance(ev, JobBuilt):
-        pools = ", ".join(short(ids) for ids in ev.blocks)
+        # Python's spelling of a tuple of tuples, as describe() writes an uncut one: ``((1, 2),)``
+        # for one pool, ``((1, 2), (3,))`` for two.
+        pools = ", ".join(short(ids) for ids in ev.blocks) + ("," if len(ev.blocks) == 1 else "")
         kind = JobKind(ev.kind).name.lower()
         return f"JobBuilt(job={ev.job}, kind={kind}, req={ev.req}, blocks=({pools}), workers={ev.workers})"
     if isinstance(ev, BuildBoundary) and ev.at_us is not None and clock_base:

@@ -154,12 +154,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"summary": summary}))
     else:
-        print(f"\n{n} seeds; coverage (first variant): {cov.preemptions} preemptions, {cov.aborts} aborts "
-              f"({cov.aborts_in_flight} with jobs in flight), {cov.resets} resets, {cov.shrinks} shrinks, "
-              f"{cov.stores} stores, {cov.loads} loads, {cov.steps} steps")
+        p = kvcli.plural
+        print(f"\n{p(n, 'seed')}; coverage (first variant): {p(cov.preemptions, 'preemption')}, "
+              f"{p(cov.aborts, 'abort')} ({cov.aborts_in_flight:,} with jobs in flight), {p(cov.resets, 'reset')}, "
+              f"{p(cov.shrinks, 'shrink')}, {p(cov.stores, 'store')}, {p(cov.loads, 'load')}, {p(cov.steps, 'step')}")
         for v in variants:
             per = ", ".join(f"{c} {k}" for c, k in sorted(fails[v].items())) or "nothing failed"
-            print(f"  {v:11}: {failed_seeds[v]} of {n} seeds failed; {per}")
+            print(f"  {v:11}: {failed_seeds[v]:,} of {p(n, 'seed')} failed; {per}")
         if "legacy" in variants:
             never = [c for c in CHECKS if not fails["legacy"].get(c)]
             print(f"  checks legacy never tripped in this campaign: {', '.join(never) or 'none'}")
@@ -220,7 +221,7 @@ def cmd_shrink(args: argparse.Namespace) -> int:
                "files": [str(p) for p in paths]}
         print(json.dumps(doc))
         return kvcli.OK
-    print(f"after {rep.runs} runs: {rep.case.describe()}")
+    print(f"after {kvcli.plural(rep.runs, 'run')}: {rep.case.describe()}")
     for f in rep.result.failures:
         print(f"    {f.line()}")
     for p in paths:
@@ -232,10 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    usage = kvcli.Parser(prog=f"kvsim {args.cmd}")  # names the sub-command's --help
     if args.cmd == "run" and not {v.strip() for v in args.variants.split(",")} <= set(VARIANTS):
-        ap.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
+        usage.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
     if args.cmd == "shrink" and Path(args.output).exists() and not Path(args.output).is_dir():
-        ap.error(f"-o {args.output}: not a directory")
+        usage.error(f"-o {args.output}: not a directory")
     _pin_hash_seed(argv)
     _quiet()
     body = {"run": cmd_run, "repro": cmd_repro, "shrink": cmd_shrink}[args.cmd]
