@@ -352,10 +352,9 @@ def test_budget_that_does_not_exist_is_not_made(
     assert code == 2 and "budget" in err
 
 
-def test_watch_on_a_pipe_prints_listings_and_json_lines(
-    engine: tuple[str, KVCacheManager], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    sock, _ = engine
+def stop_watch_after_two(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """kvctl watch's sleep, made to end the watch (Ctrl-C) at its second call; reset ``["n"]``
+    to watch again."""
     calls = {"n": 0}
 
     def stop_after_two(_: float) -> None:
@@ -364,6 +363,14 @@ def test_watch_on_a_pipe_prints_listings_and_json_lines(
             raise KeyboardInterrupt
 
     monkeypatch.setattr("kvctl.engines.time.sleep", stop_after_two)
+    return calls
+
+
+def test_watch_on_a_pipe_prints_listings_and_json_lines(
+    engine: tuple[str, KVCacheManager], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock, _ = engine
+    calls = stop_watch_after_two(monkeypatch)
     code, out, _ = kv(capsys, "watch", "-n", "0.5", "--json")
     assert code == 130 and [len(json.loads(line)) for line in out.splitlines()] == [1, 1]
     calls["n"] = 0
@@ -385,14 +392,7 @@ def test_watch_on_a_terminal_redraws_in_place(
     sock, _ = engine
     monkeypatch.setenv("COLUMNS", "250")
     monkeypatch.setenv("TERM", "xterm-256color")
-    calls = {"n": 0}
-
-    def stop_after_two(_: float) -> None:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr("kvctl.engines.time.sleep", stop_after_two)
+    stop_watch_after_two(monkeypatch)
     screen = Terminal()
     assert kvctl.main(["watch", "-n", "0.5"], out=screen) == 130
     text = screen.getvalue()

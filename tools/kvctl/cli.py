@@ -36,7 +36,7 @@ from typing import TextIO
 import kvcli
 import msgspec
 
-from kvcached.budget import budget_dir, budget_exists, budget_usage, set_budget_size
+from kvcached.budget import NAME, budget_dir, budget_exists, budget_usage, set_budget_size
 from kvcached.ledger.events import Event, describe
 from kvcached.service import live, messages
 
@@ -190,8 +190,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     if args.command == "dump" and args.engine_arg:
         args.engine = args.engine_arg
     if args.command == "budget":
-        from kvcached.budget import NAME
-
         if not NAME.fullmatch(args.name):
             ap.error(f"budget: {args.name!r} is not a budget name (letters, digits, '.', '_', '-'; at most 64)")
         if args.size is not None:

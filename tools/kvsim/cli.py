@@ -43,22 +43,9 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _seed(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: a seed is a whole number >= 0")
-    return int(text)
-
-
-def _jobs(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 64:
-        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 64 processes")
-    return int(text)
-
-
-def _runs(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 100_000:
-        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 100000 runs")
-    return int(text)
+_seed = kvcli.whole(0, "a seed")
+_jobs = kvcli.whole(1, "a number of processes", 64)
+_runs = kvcli.whole(1, "a number of runs", 100_000)
 
 
 def build_parser() -> argparse.ArgumentParser:
