@@ -10,6 +10,8 @@ GOLDEN=(finish-in-write-step finished-store-next-build sliding-window preempt-sh
 ensure_cpu_env
 KVCACHED_CAPTURE_DIR=traces .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/serve/test_serve_e2e.py \
     -k "legacy_shows or ledger_journal"
+KVCACHED_CAPTURE_DIR=traces .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/serve/test_model_kinds.py \
+    -k "served_like_native"
 for trace in traces/*.kvj; do
     rc=0
     .venv/bin/kvreplay check --json "$trace" >"${trace%.kvj}.check.json" || rc=$?

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 WORDS = [
     "river",
@@ -61,26 +62,9 @@ def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24))) + "." for _ in range(n_lines)]
 
 
-def build(
-    path: str | Path,
-    *,
-    hidden: int = 512,
-    layers: int = 8,
-    heads: int = 8,
-    kv_heads: int = 8,
-    vocab: int = 1024,
-    max_positions: int = 4096,
-    seed: int = 0,
-) -> Path:
-    """Write a LlamaForCausalLM with random weights and its tokenizer to ``path`` (idempotent)."""
-    import torch
+def train_tokenizer(out: Path, *, seed: int = 0, vocab: int = 1024, max_positions: int = 4096) -> Any:
+    """Train the byte-level BPE on ``corpus(seed=seed)`` and save it where transformers finds it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = Path(path)
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -102,6 +86,29 @@ def build(
             }
         )
     )
+    return tok
+
+
+def build(
+    path: str | Path,
+    *,
+    hidden: int = 512,
+    layers: int = 8,
+    heads: int = 8,
+    kv_heads: int = 8,
+    vocab: int = 1024,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a LlamaForCausalLM with random weights and its tokenizer to ``path`` (idempotent)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(path)
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(out, seed=seed, vocab=vocab, max_positions=max_positions)
 
     torch.manual_seed(seed)
     config = LlamaConfig(
