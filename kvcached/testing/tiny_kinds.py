@@ -7,8 +7,8 @@ transformers' own config classes at a toy size, so that vLLM builds the real mod
 real KV cache groups for it (two groups for a sliding/full mix, one sliding group for Mistral,
 an MLA latent cache for DeepSeek-V2, Gated DeltaNet state groups beside attention for
 Qwen3-Next, Mamba2 states alone). The weights are seeded and wider than transformers' init so
-that different prompts give different greedy tokens (``prompt_sensitive`` checks it on the
-model itself): a witness that answers every prompt alike would hide a wrong KV block. The
+that different prompts give different greedy tokens (tests/serve/test_model_kinds.py checks it
+on each model): a witness that answers every prompt alike would hide a wrong KV block. The
 tokenizer is ``tiny_model``'s, so prompts tokenize the same for every kind.
 """
 

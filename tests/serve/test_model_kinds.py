@@ -14,17 +14,20 @@ journal of the same load shows the freed-block copy (I1: a page unmapped under a
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kvcached.testing.tiny_kinds import KINDS, build
-from kvcached.vllm.testing.e2e import Completion, Server, validation_config, validation_prompts
+from kvcached.vllm.testing.e2e import (
+    Completion,
+    Server,
+    keep_trace,
+    replay_check,
+    validation_config,
+    validation_passes,
+    validation_prompts,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -56,30 +59,13 @@ def _serve(model: str, policy: str | None, out: Path, env: dict[str, str]) -> tu
     if policy:
         cfg.env.update(env)
     server = Server(cfg, out / f"{policy or 'native'}.log").start()
-    outputs: list[Completion] = []
     try:
         assert server.wait_ready(), server.log()[-3000:]
-        for _ in range(2):
-            outputs += [server.complete(p, n) for p, n in validation_prompts()]
-            assert server.reset_prefix_cache()
-        time.sleep(0.5)  # the journal is written within milliseconds of each event
+        outputs, resets = validation_passes(server)
+        assert resets == [True, True]
     finally:
         server.stop()
     return server, outputs
-
-
-def _replay(journal: Path) -> tuple[int, str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "kvreplay.cli", "check", "--no-progress", str(journal)],
-        capture_output=True, text=True, timeout=300,
-    )
-    return r.returncode, r.stdout + r.stderr
-
-
-def _keep(journal: Path, name: str) -> None:
-    dest = os.environ.get("KVCACHED_CAPTURE_DIR")
-    if dest:
-        shutil.copyfile(journal, Path(dest) / name)
 
 
 def test_sliding_window_kind_served_like_native(tmp_path: Path) -> None:
@@ -97,11 +83,11 @@ def test_sliding_window_kind_served_like_native(tmp_path: Path) -> None:
         assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
         assert b.cached_tokens == a.cached_tokens, f"request {i}: cached {b.cached_tokens} != {a.cached_tokens}"
     assert "policy=ledger" in server.log()
-    rc, report = _replay(tmp_path / "ledger.kvj")
+    rc, report = replay_check(tmp_path / "ledger.kvj", timeout=300)
     assert rc == 0 and "clean" in report, report
-    rc, report = _replay(tmp_path / "legacy.kvj")
+    rc, report = replay_check(tmp_path / "legacy.kvj", timeout=300)
     assert rc == 1 and "I1 unmap-under-job" in report, report
     differ = [i for i, (a, b) in enumerate(zip(native, legacy, strict=True)) if a.tokens != b.tokens]
     print(f"gemma3 legacy: {len(differ)} of 20 outputs differ from native ({differ}); {report.splitlines()[-2]}")
-    _keep(tmp_path / "ledger.kvj", "serve-gemma3.ledger.kvj")
-    _keep(tmp_path / "legacy.kvj", "serve-gemma3.legacy.kvj")
+    keep_trace(tmp_path / "ledger.kvj", "serve-gemma3.ledger.kvj")
+    keep_trace(tmp_path / "legacy.kvj", "serve-gemma3.legacy.kvj")

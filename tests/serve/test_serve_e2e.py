@@ -33,9 +33,11 @@ from kvcached.vllm.testing.e2e import (
     Completion,
     Server,
     ServerConfig,
+    keep_trace,
+    replay_check,
     rss_bytes,
     validation_config,
-    validation_prompts,
+    validation_passes,
 )
 
 pytestmark = pytest.mark.vllm
@@ -72,11 +74,8 @@ def _run(mode: str, model: str, out: Path) -> Run:
     try:
         ready = server.wait_ready()
         if ready:
-            for _ in range(2):
-                outputs += [server.complete(p, n) for p, n in validation_prompts()]
-                resets.append(server.reset_prefix_cache())
+            outputs, resets = validation_passes(server)
             alive = server.proc is not None and server.proc.poll() is None
-            time.sleep(0.5)  # the journal is written within milliseconds of each event
     finally:
         server.stop()
     return Run(mode, server, ready, outputs, resets, alive, journal)
@@ -89,22 +88,7 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]
 
 
 def _keep(journal: Path) -> None:
-    """``KVCACHED_CAPTURE_DIR=traces`` (scripts/regen-golden.sh) keeps the journal as a golden trace."""
-    import os
-    import shutil
-
-    dest = os.environ.get("KVCACHED_CAPTURE_DIR")
-    if dest:
-        shutil.copyfile(journal, Path(dest) / f"serve-validation.{journal.stem.split('-')[-1]}.kvj")
-
-
-def _replay(journal: Path, *extra: str) -> tuple[int, str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "kvreplay.cli", "check", "--no-progress", str(journal), *extra],
-        capture_output=True,
-        text=True,
-    )
-    return r.returncode, r.stdout + r.stderr
+    keep_trace(journal, f"serve-validation.{journal.stem.split('-')[-1]}.kvj")
 
 
 @pytest.mark.parametrize("mode", ["native", "legacy", "ledger"])
@@ -152,7 +136,7 @@ def test_ledger_matches_native_exactly(runs: dict[str, Run]) -> None:
 def test_legacy_shows_the_freed_block_copy(runs: dict[str, Run]) -> None:
     run = runs["legacy"]
     assert run.journal is not None
-    rc, report = _replay(run.journal)
+    rc, report = replay_check(run.journal)
     differ = [
         i for i, (a, b) in enumerate(zip(runs["native"].outputs, run.outputs, strict=True)) if a.tokens != b.tokens
     ]
@@ -169,12 +153,12 @@ def test_legacy_flight_recorder_saves_its_first_I1_by_itself(runs: dict[str, Run
     assert len(named) == 1, [line for line in log.splitlines() if "flight" in line]
     index, written, dump = named[0]
     assert written == dump and Path(dump).exists()
-    rc, report = _replay(Path(dump), "--json")
+    rc, report = replay_check(Path(dump), "--json")
     assert rc == 1, report
     got = [v for v in json.loads(report)["violations"] if v["invariant"] == "I1"]
     # The same first I1 as the live ledger saw, and as the whole journal shows.
     assert run.journal is not None
-    _, whole = _replay(run.journal, "--json")
+    _, whole = replay_check(run.journal, "--json")
     want = next(v for v in json.loads(whole)["violations"] if v["invariant"] == "I1")
     assert got and (got[0]["code"], got[0]["index"], got[0]["page"]) == (want["code"], want["index"], want["page"])
     assert got[0]["index"] == int(index)
@@ -183,7 +167,7 @@ def test_legacy_flight_recorder_saves_its_first_I1_by_itself(runs: dict[str, Run
 def test_ledger_journal_replays_clean(runs: dict[str, Run]) -> None:
     run = runs["ledger"]
     assert run.journal is not None
-    rc, report = _replay(run.journal)
+    rc, report = replay_check(run.journal)
     assert rc == 0 and "clean" in report, report
     assert "0 outstanding" in report
     _keep(run.journal)

@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +34,10 @@ from kvcached.vllm.testing.e2e import (
     Completion,
     Server,
     ServerConfig,
+    replay_check,
     rss_bytes,
     validation_config,
-    validation_prompts,
+    validation_passes,
 )
 
 pytestmark = pytest.mark.vllm
@@ -95,10 +94,8 @@ def _run(mode: str, model: str, out: Path, *, executor: str = "mp") -> Run:
     try:
         ready = server.wait_ready(timeout=400)
         if ready:
-            for _ in range(2):
-                outputs += [server.complete(p, n) for p, n in validation_prompts()]
-                assert server.reset_prefix_cache()
-            time.sleep(0.5)  # the journal is written within milliseconds of each event
+            outputs, resets = validation_passes(server)
+            assert resets == [True, True]
     finally:
         server.stop()
     return Run(mode, server, ready, outputs, journal)
@@ -113,15 +110,6 @@ def native(model: str, tmp_path_factory: pytest.TempPathFactory) -> Run:
 def runs(native: Run, model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     out = tmp_path_factory.mktemp("tp")
     return {"native": native, **{mode: _run(mode, model, out) for mode in ("legacy", "ledger")}}
-
-
-def _replay(journal: Path, *extra: str) -> tuple[int, str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "kvreplay.cli", "check", "--no-progress", str(journal), *extra],
-        capture_output=True,
-        text=True,
-    )
-    return r.returncode, r.stdout + r.stderr
 
 
 def _healthy(run: Run, *, ray: bool = False) -> None:
@@ -183,14 +171,14 @@ def test_ledger_keeps_pages_until_both_ranks_reported(runs: dict[str, Run]) -> N
     split = [job for job, counts in reports.items() if counts == [1, 1]]
     assert reports and all(sum(c) == 2 for c in reports.values()), reports
     assert len(split) == len(reports), f"rank 1 did not report late: {reports}"
-    rc, report = _replay(run.journal)
+    rc, report = replay_check(run.journal)
     assert rc == 0 and "clean" in report and "0 outstanding" in report, report
 
 
 def test_legacy_at_tp2_shows_the_freed_block_copy(runs: dict[str, Run]) -> None:
     run = runs["legacy"]
     assert run.journal is not None
-    rc, report = _replay(run.journal)
+    rc, report = replay_check(run.journal)
     assert rc == 1 and "I1" in report, report
 
 

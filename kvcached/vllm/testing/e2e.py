@@ -365,6 +365,39 @@ def validation_prompts(seed: int = 0) -> list[tuple[str, int]]:
     return out
 
 
+def validation_passes(server: Server) -> tuple[list[Completion], list[bool]]:
+    """The validation load twice, a prefix-cache reset after each pass (so the second pass loads
+    its prefix from the CPU tier): the 20 completions, and whether each reset was accepted. It
+    waits a moment at the end, for the journal, which is written within milliseconds of each event."""
+    outputs: list[Completion] = []
+    resets: list[bool] = []
+    for _ in range(2):
+        outputs += [server.complete(p, n) for p, n in validation_prompts()]
+        resets.append(server.reset_prefix_cache())
+    time.sleep(0.5)
+    return outputs, resets
+
+
+def replay_check(journal: str | Path, *extra: str, timeout: float | None = None) -> tuple[int, str]:
+    """``kvreplay check`` on a served journal, as a user runs it: its exit code and what it printed."""
+    r = subprocess.run(
+        [sys.executable, "-m", "kvreplay.cli", "check", "--no-progress", str(journal), *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return r.returncode, r.stdout + r.stderr
+
+
+def keep_trace(journal: str | Path, name: str) -> None:
+    """``KVCACHED_CAPTURE_DIR=traces`` (scripts/regen-golden.sh) keeps a served journal as the golden trace ``name``."""
+    import shutil
+
+    dest = os.environ.get("KVCACHED_CAPTURE_DIR")
+    if dest:
+        shutil.copyfile(journal, Path(dest) / name)
+
+
 def kv_resident_bytes(pid: int) -> int:
     """Resident bytes of kvcached's KV memory in one process: the ``Rss`` of its mappings of
     kvcached's ``/dev/shm`` KV files (the path stays in smaps after the file is unlinked). Unlike
