@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import mmap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from .ledger.events import BlockAlloc, BlockFree, Header, Policy, PoolGeometry
 from .ledger.ledger import Ledger
 from .ledger.recorder import Recorder
 from .page_allocator import AllocatorState, OutOfPagesError, PageAllocator, PageBudget, PageMapper
+from .page_size import CUDA_GRANULARITY, mib
 
 if TYPE_CHECKING:
     import torch
@@ -56,10 +58,13 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.block_bytes > self.page_bytes:
-            mib = -(-self.block_bytes // (1 << 20))
+            # The least page that holds one block on each backend: whole OS pages on the host,
+            # whole 2 MiB granules on CUDA (a hand-built geometry need not be a multiple of the block).
+            host = -(-self.block_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+            cuda = -(-self.block_bytes // CUDA_GRANULARITY) * CUDA_GRANULARITY
             raise ConfigError(
                 f"a KV block of {self.block_bytes} bytes does not fit a {self.page_bytes}-byte page; "
-                f"set KVCACHED_PAGE_SIZE_MB to at least {mib} (or use smaller blocks)"
+                f"set KVCACHED_PAGE_SIZE_MB to at least {mib(host)} on the host backend ({mib(cuda)} on CUDA)"
             )
         if self.num_blocks < 1 or self.block_bytes < 1 or self.num_layers < 1:
             raise ConfigError(f"invalid KV geometry: {self}")

@@ -259,6 +259,9 @@ UPSTREAM_ONLY: Final = {
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     enabled: bool = False  # ENABLE_KVCACHED
     page_bytes: int = 2 << 20  # KVCACHED_PAGE_SIZE_MB
+    # Whether KVCACHED_PAGE_SIZE_MB was set (not blank): if not, kvcached may choose another page
+    # for a block that does not divide the default one (kvcached/page_size.py).
+    page_bytes_set: bool = False
     min_reserved_pages: int = 5  # KVCACHED_MIN_RESERVED_PAGES
     max_reserved_pages: int = 10  # KVCACHED_MAX_RESERVED_PAGES
     contiguous_layout: bool = True  # KVCACHED_CONTIGUOUS_LAYOUT
@@ -292,6 +295,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         s = cls(
             enabled=_flag(e, ENABLE),
             page_bytes=_count(e, PAGE_SIZE),
+            page_bytes_set=bool(e.get(PAGE_SIZE.name, "").strip()),  # _read's rule: blank is the default
             min_reserved_pages=_count(e, MIN_RESERVED),
             max_reserved_pages=_count(e, MAX_RESERVED_VAR),
             contiguous_layout=_flag(e, CONTIGUOUS),

@@ -86,6 +86,17 @@ def test_sizes_are_exact() -> None:
     assert page("1024") == 1 << 30 and page("2.") == 2 << 20
 
 
+@pytest.mark.parametrize(
+    ("raw", "is_set"), [(None, False), ("", False), ("  ", False), ("2", True), (" 1.03515625", True)]
+)
+def test_settings_know_whether_the_page_size_was_set(raw: str | None, is_set: bool) -> None:
+    """Unset (or blank) lets kvcached choose a page for a block the default does not fit
+    (kvcached/page_size.py); a value the user set, even the default's, is theirs."""
+    s = Settings.from_env({} if raw is None else {"KVCACHED_PAGE_SIZE_MB": raw})
+    assert s.page_bytes_set is is_set
+    assert s.page_bytes == (1085440 if "1.03" in (raw or "") else 2 << 20)
+
+
 @pytest.mark.parametrize("blank", ["", " ", "\t\n"])
 def test_blank_means_the_default_for_every_setting(blank: str) -> None:
     default = Settings.from_env({})

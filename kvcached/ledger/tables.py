@@ -146,8 +146,8 @@ class LedgerTables:
             bpp = header.page_bytes // pool.block_bytes
             if bpp < 1:
                 raise ConfigError(
-                    f"a block of {pool.block_bytes} bytes does not fit a {header.page_bytes}-byte page: "
-                    "raise KVCACHED_PAGE_SIZE_MB or lower the block size"
+                    f"a block of {pool.block_bytes} bytes does not fit a {header.page_bytes}-byte page: the "
+                    f"header's page_bytes (KVCACHED_PAGE_SIZE_MB when served) must be at least {pool.block_bytes}"
                 )
             self.bpp.append(bpp)
             self.first.append(pages)

@@ -8,14 +8,16 @@ region, a page holds whole packed blocks) or layer-outermost (each layer its own
 page ``p`` mapped in every region at once). Anything else is refused with one line, because a page
 could then hold bytes of blocks that are not all free when the ledger lets it go. The API server
 (its startup checks), the engine core (the manager's geometry) and each worker (its views) compute
-the same plan from the same config, so they agree on which page a block is on without talking.
+the same plan from the same config, so they agree on which page a block is on without talking;
+that includes the page itself, which is the user's ``KVCACHED_PAGE_SIZE_MB`` or, when that is
+unset and the block does not divide the default page, one ``page_size.choose_page`` picks for the
+backend the pages live on (every process passes the same backend and setting).
 The key naming one server's shared host memory (``server_key``) is made in the API server and
 inherited by every child.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import uuid
 from typing import Any
@@ -24,6 +26,7 @@ import msgspec
 
 from ..errors import ConfigError
 from ..kv_cache_manager import KVGeometry, Layout
+from ..page_size import PageChoice, choose_page
 
 SERVER_KEY_ENV = "KVCACHED_SERVER_KEY"
 
@@ -62,8 +65,22 @@ class KVPlan(msgspec.Struct, frozen=True, kw_only=True):
         return f"{g.num_blocks} blocks of {self.block_bytes} B on {g.num_pages} pages ({kind})"
 
 
-def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
-    """Check vLLM's KV cache layout against kvcached's and say where each block lives."""
+def plan(
+    kv_cache_config: Any, page_bytes: int, *, backend: str = "cuda", page_set: bool = True
+) -> KVPlan:
+    """Check vLLM's KV cache layout against kvcached's and say where each block lives.
+
+    ``backend`` ("host" or "cuda") is where the pages live; ``page_set`` says ``page_bytes`` is
+    the user's page (``Settings.page_bytes_set``), else it is the default and kvcached may choose
+    another that fits the block (``page_size.choose_page``). The defaults take the page as given,
+    as tests and tools that name a page mean it."""
+    return plan_page(kv_cache_config, page_bytes, backend=backend, page_set=page_set)[0]
+
+
+def plan_page(
+    kv_cache_config: Any, page_bytes: int, *, backend: str = "cuda", page_set: bool = True
+) -> tuple[KVPlan, PageChoice]:
+    """``plan``, and the page choice behind it (what the engine core logs)."""
     tensors = list(kv_cache_config.kv_cache_tensors)
     if not tensors:
         raise ConfigError("kvcached: this model has no KV cache tensors to serve; disable kvcached (ENABLE_KVCACHED=0)")
@@ -99,21 +116,37 @@ def plan(kv_cache_config: Any, page_bytes: int) -> KVPlan:
             f"kvcached: KV layout with layer stride {layer_stride} < {n} blocks x {block_stride} B interleaves "
             "layers inside a block; set VLLM_KV_CACHE_LAYOUT=LBHNC or disable kvcached"
         )
-    if block_bytes > page_bytes or page_bytes % block_bytes:
-        # The smallest page that holds whole blocks and is whole 2 MiB (CUDA VMM) units.
-        fit = math.lcm(block_bytes, 2 << 20) >> 20
-        raise ConfigError(
-            f"kvcached: a KV block takes {block_bytes} bytes, which does not divide a "
-            f"{page_bytes / (1 << 20):g} MiB page; set KVCACHED_PAGE_SIZE_MB={fit} "
-            "(or a --block-size that makes the block a power of two)"
-        )
-    return KVPlan(
+    # vLLM puts a region's blocks end to end, so a page must be a multiple of the block.
+    choice = choose_page(
+        block_bytes, backend=backend, page_bytes=page_bytes, page_set=page_set, tokens=_scaling_tokens(kv_cache_config)
+    )
+    p = KVPlan(
         num_blocks=n,
         block_bytes=block_bytes,
-        page_bytes=page_bytes,
+        page_bytes=choice.page_bytes,
         regions=regions,
         vllm_size=max(int(t.size) for t in tensors),
     )
+    return p, choice
+
+
+def _scaling_tokens(kv_cache_config: Any) -> int | None:
+    """The block size in tokens if every group's block grows with it (unpadded attention), so
+    that a smaller ``--block-size`` makes a smaller block; None otherwise (a Mamba state's size
+    does not depend on it, and vLLM pads hybrid models' pages to one size)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    sizes = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        for s in specs:
+            if not isinstance(s, AttentionSpec) or s.page_size_padded is not None:
+                return None
+            if getattr(s, "tokens_per_state", 1) != 1:
+                return None
+            sizes.add(int(s.block_size))
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _layer_page_bytes(kv_cache_config: Any, layer: str) -> int:

@@ -21,12 +21,13 @@ from typing import Any
 
 from ...errors import KvcachedError
 from ...ledger.compiled import compiled_status
+from ...page_size import mib
 from ...service.ledger_service import Durability, ServiceConfig
 from ...service.live import default_socket_path
 from ...settings import Settings
 from ...version import KVCACHED_VERSION
 from .. import patches
-from ..kv_layout import plan as kv_plan
+from ..kv_layout import plan_page
 from . import control, step_sender
 from .engine import Engine, EngineConfig, assemble
 
@@ -56,9 +57,14 @@ def service_config(settings: Settings, socket: str) -> ServiceConfig:
 
 def build(scheduler: Any, settings: Settings) -> Engine:
     """kvcached under a served engine core's freshly built ``scheduler``."""
-    plan = kv_plan(scheduler.kv_cache_config, settings.page_bytes)
+    kind = "host" if patches.on_cpu() else "cuda"  # what each worker's device.type gives (kv_memory.allocate)
+    plan, page = plan_page(
+        scheduler.kv_cache_config, settings.page_bytes, backend=kind, page_set=settings.page_bytes_set
+    )
+    if page.chosen:  # once, here: every worker chose the same page from the same inputs
+        log.info("[kvcached] %s", page.describe())
     # The workers own the KV memory; the scheduler's decisions reach them with each step.
-    backends, page_log = step_sender.decision_backends(scheduler, plan, kind="host" if patches.on_cpu() else "cuda")
+    backends, page_log = step_sender.decision_backends(scheduler, plan, kind=kind)
     geometry = plan.geometry
     socket = default_socket_path()
     config = EngineConfig(
@@ -91,11 +97,12 @@ def build(scheduler: Any, settings: Settings) -> Engine:
     flight = f"last {settings.flight_recorder_events} events" if settings.flight_recorder_events else "off"
     on_objects = sum(len(p.attrs) for p in patches.engine_patches())
     log.info(
-        "[kvcached] active: backend=%s, page=%g MiB, policy=%s, journal=%s, offloading bridge=%s, "
+        "[kvcached] active: backend=%s, page=%s MiB%s, policy=%s, journal=%s, offloading bridge=%s, "
         "kvctl socket=%s, flight recorder=%s, %s, budget=%s, KV: %s; vLLM changed: %s, and %d attributes "
         "of this engine's scheduler, connector and block pool (kvcached/vllm/patches.py)",
         backend.kind + (" (shared)" if getattr(backend, "shared", None) else ""),
-        geometry.page_bytes / (1 << 20),
+        mib(geometry.page_bytes),
+        " (chosen for the block)" if page.chosen else "",
         settings.policy.value,
         settings.journal or "off",
         "on" if engine.offloading else "off",

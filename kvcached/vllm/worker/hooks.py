@@ -36,6 +36,7 @@ def wrap_allocate_kv_cache(original: Callable[..., Any], settings: Settings) -> 
                 layout,
                 kernel_block_sizes,
                 page_bytes=settings.page_bytes,
+                page_set=settings.page_bytes_set,
                 backend=settings.backend,
             )
         except KvcachedError as e:

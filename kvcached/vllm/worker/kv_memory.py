@@ -126,20 +126,24 @@ def allocate(
     kernel_block_sizes: list[int] | None,
     *,
     page_bytes: int,
+    page_set: bool = True,
     backend: str = "auto",
     key: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """What vLLM's ``allocate_kv_cache`` returns (same layers, shapes, strides), on kvcached pages."""
+    """What vLLM's ``allocate_kv_cache`` returns (same layers, shapes, strides), on kvcached pages.
+    ``page_set``: ``page_bytes`` is the user's (``Settings.page_bytes_set``); if not, the plan may
+    choose another page for the block, as the engine core's does (both know the backend's kind)."""
     import torch
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
     if not kv_cache_config.kv_cache_tensors:
         return {}
-    p = plan(kv_cache_config, page_bytes)
+    dev = torch.device(device)
+    p = plan(kv_cache_config, page_bytes, backend="host" if dev.type == "cpu" else "cuda", page_set=page_set)
     served = key is None
     # Served: one range per worker process (tensor-parallel ranks share the server's key).
     key = key or f"{server_key()}-w{os.getpid()}"
-    b = worker_backend(p, device=torch.device(device), backend=backend, key=key)
+    b = worker_backend(p, device=dev, backend=backend, key=key)
     if served:
         step_receiver.install_worker(b, p)
     buf = b.tensor(torch.int8)
