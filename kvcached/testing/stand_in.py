@@ -7,12 +7,18 @@ the KV group, the layer and the tensor-parallel rank. Sampling is a function of 
 so a request recomputed after a preemption samples the same token again. The stand-in keeps
 each request's tokens as the model runner knows them: under async scheduling that includes
 tokens it sampled before the scheduler has processed the step's output.
+
+A state group (a Mamba / linear-attention group, vLLM's ``MambaSpec``) holds no tokens: a block
+holds the recurrent state after a prefix, so the stand-in writes, into the block of the step's
+last position (``cdiv(end, block_size) - 1``, where vLLM's "align" mode keeps the running state),
+bytes that name the whole prefix up to ``end``, over the state's real bytes (not the padding vLLM
+adds to reach the attention page, which the offloading worker does not copy either).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +38,19 @@ class Row:
 
 
 class ModelStandIn:
-    def __init__(self, block_size: int, page_bytes: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        page_bytes: int | Sequence[int],
+        vocab_size: int,
+        *,
+        state_groups: Collection[int] = (),
+    ) -> None:
+        """``page_bytes``: the bytes of one layer's page the model writes, one for every group or
+        per group; ``state_groups``: the groups whose blocks hold a state, not token slots."""
         self.block_size = block_size
-        self.token_bytes = page_bytes // block_size  # one token's slot in one layer's block
+        self._page_bytes = page_bytes
+        self.state_groups = frozenset(state_groups)
         self.vocab_size = vocab_size
         self._tokens: dict[str, list[int]] = {}
         self._prefix_hashes: dict[str, list[bytes]] = {}
@@ -80,17 +96,63 @@ class ModelStandIn:
             prev = self._chain(prev, out[-1])
         return out
 
+    def page_bytes(self, group: int) -> int:
+        """The bytes of one layer's page that the model writes in ``group``."""
+        p = self._page_bytes
+        return p if isinstance(p, int) else p[group]
+
+    def token_bytes(self, group: int) -> int:
+        """One token's slot in one layer's block of an attention group."""
+        return self.page_bytes(group) // self.block_size
+
     def kv_bytes(self, req_id: str, position: int, group: int, layer: int, rank: int) -> bytes:
-        """What the stand-in writes for one token slot of one layer on one rank."""
+        """What the stand-in writes for one token slot of one layer on one rank; in a state
+        group, the whole state after the prefix that ends at ``position``."""
         h = self._hashes(req_id, position + 1)[position]
-        return hashlib.shake_128(h + bytes((group, layer, rank))).digest(self.token_bytes)
+        if group in self.state_groups:
+            return hashlib.shake_128(h + bytes((group, layer, rank, 255))).digest(self.page_bytes(group))
+        return hashlib.shake_128(h + bytes((group, layer, rank))).digest(self.token_bytes(group))
+
+    def expected_block(self, req_id: str, k: int, n: int, group: int, layer: int, rank: int) -> bytes:
+        """What block ``k`` of the request holds in one layer once ``n`` of its tokens are
+        computed: their slots, or in a state group the state after token ``k * bs + n - 1``."""
+        start = k * self.block_size
+        if group in self.state_groups:
+            return self.kv_bytes(req_id, start + n - 1, group, layer, rank)
+        return b"".join(self.kv_bytes(req_id, p, group, layer, rank) for p in range(start, start + n))
+
+    def bad_positions(
+        self, got: bytes, req_id: str, k: int, n: int, group: int, layer: int, rank: int
+    ) -> tuple[int, ...]:
+        """The token positions of block ``k`` (its first ``n``) whose bytes in ``got`` are wrong;
+        in a state group the state's last position, if the state is wrong."""
+        start = k * self.block_size
+        if group in self.state_groups:
+            want = self.expected_block(req_id, k, n, group, layer, rank)
+            return () if got[: len(want)] == want else (start + n - 1,)
+        tb = self.token_bytes(group)
+        return tuple(
+            start + s
+            for s in range(n)
+            if got[s * tb : (s + 1) * tb] != self.kv_bytes(req_id, start + s, group, layer, rank)
+        )
 
     def forward(self, rows: Sequence[Row], views: Sequence[Sequence[torch.Tensor]], rank: int) -> None:
         """Write every computed token's bytes into its block; ``views[group][layer]`` is
         (num_blocks, block bytes of one layer)."""
-        bs, tb = self.block_size, self.token_bytes
+        bs = self.block_size
         for row in rows:
             for g, ids in enumerate(row.block_ids):
+                if g in self.state_groups:
+                    # The state after the step's last token, in its block (vLLM's align mode
+                    # copies the previous state forward and updates it in place there).
+                    k = -(-row.end // bs) - 1
+                    if row.end > row.start and 0 <= k < len(ids) and ids[k] != 0:
+                        for layer, view in enumerate(views[g]):
+                            data = self.kv_bytes(row.req_id, row.end - 1, g, layer, rank)
+                            view[ids[k], : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.int8)
+                    continue
+                tb = self.token_bytes(g)
                 p = row.start
                 while p < row.end:
                     k = p // bs

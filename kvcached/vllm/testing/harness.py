@@ -13,7 +13,9 @@ output is processed). A model stand-in (``stand_in.py``) writes, for every token
 computes, bytes that identify the token's prefix, KV group, layer and TP rank; each load is
 checked byte for byte at the moment its copy runs. The KV memory comes from a provider
 callable, so kvcached can serve it from elastic pages, and ``on_scheduler_built`` lets kvcached
-install its bridge before the first request.
+install its bridge before the first request. The KV cache is that of a model kind (``kv_specs``:
+full attention, Gemma3's and gpt-oss's windows, Mistral's sliding layers, MLA, Qwen3-Next's Gated
+DeltaNet state groups), grouped and laid out by vLLM's own planner.
 """
 
 from __future__ import annotations
@@ -47,14 +49,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    KVCacheTensor,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -63,6 +58,7 @@ from kvcached.errors import ConfigError
 from kvcached.testing.stand_in import ModelStandIn, Row
 from kvcached.vllm.offload.cpu import KvcachedCPUOffloadingWorker, TransferPlan
 from kvcached.vllm.patches import CONNECTOR_MODULE
+from kvcached.vllm.testing.kv_specs import KINDS, kind_block_size, layer_specs, plan_kv_cache
 from kvcached.vllm.testing.records import FreedBlockCopy, HarnessConfig, LoadCheck, LoadMismatch, StepRecord
 
 __all__ = ["FreedBlockCopy", "Harness", "HarnessConfig", "KVMemory", "LoadCheck", "LoadMismatch", "StepRecord"]
@@ -80,7 +76,7 @@ class _Batch:
     output: ModelRunnerOutput | None = None  # once its worker side ran
 
 
-def _write_model_dir(cfg: HarnessConfig) -> str:
+def _write_model_dir(cfg: HarnessConfig, num_layers: int) -> str:
     path = tempfile.mkdtemp(prefix="kvcached-harness-")
     total_kv_heads = cfg.num_kv_heads * cfg.tp  # the spec's num_kv_heads is per TP rank
     hidden = cfg.head_size * 2 * total_kv_heads
@@ -92,7 +88,7 @@ def _write_model_dir(cfg: HarnessConfig) -> str:
         "num_attention_heads": hidden // cfg.head_size,
         "num_key_value_heads": total_kv_heads,
         "head_dim": cfg.head_size,
-        "num_hidden_layers": cfg.num_layers * (2 if cfg.sliding_window else 1),
+        "num_hidden_layers": num_layers,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_model_len,
         "torch_dtype": "float16",
@@ -123,13 +119,23 @@ class Harness:
             raise ConfigError(f"harness: tp must be >= 1, got {cfg.tp}")
         if cfg.sliding_window is not None and cfg.sliding_window < 1:
             raise ConfigError(f"harness: sliding_window must be >= 1 token, got {cfg.sliding_window}")
-        self._model_dir = _write_model_dir(cfg)
+        if cfg.kind not in KINDS:
+            raise ConfigError(f"harness: unknown model kind {cfg.kind!r}; choose from {', '.join(KINDS)}")
+        self.block_size = kind_block_size(cfg.kind, cfg.tp, cfg.block_size, cfg.num_kv_heads, cfg.head_size)
+        self.layer_specs = layer_specs(
+            cfg.kind, tp=cfg.tp, block_size=self.block_size, num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, sliding_window=cfg.sliding_window,
+            mamba_cache_mode=cfg.mamba_cache_mode,
+        )
+        self._model_dir = _write_model_dir(cfg, len(self.layer_specs))
         ours = cfg.kvcached_connector if cfg.kvcached_connector is not None else on_scheduler_built is not None
         self.vllm_config = self._build_vllm_config(kvcached_connector=ours)
         self.kv_cache_config = self._build_kv_cache_config()
         bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.kv_cache_config.hash_block_size = hash_bs
-        self.model = ModelStandIn(cfg.block_size, self.page_bytes, cfg.vocab_size)
+        self.model = ModelStandIn(
+            self.block_size, self.real_bytes, cfg.vocab_size, state_groups=self.state_groups
+        )
         self.step_index = 0
         self.history: list[StepRecord] = []
         self.load_checks: list[LoadCheck] = []
@@ -182,7 +188,17 @@ class Harness:
         model = ModelConfig(
             model=self._model_dir, skip_tokenizer_init=True, max_model_len=cfg.max_model_len, dtype="float16"
         )
-        cache = CacheConfig(block_size=cfg.block_size, enable_prefix_caching=True)
+        hybrid: dict[str, Any] = {}
+        if any(isinstance(s, MambaSpec) for s in self.layer_specs.values()):
+            # What vLLM's platform sets for a hybrid model (Platform._align_hybrid_block_size):
+            # the mode (validated by CacheConfig: "align" or "none"), the state block (the
+            # attention block in "align" mode) and the state page padded to the attention page.
+            hybrid = {
+                "mamba_cache_mode": cfg.mamba_cache_mode,
+                "mamba_block_size": self.block_size,
+                "mamba_page_size_padded": max(s.page_size_bytes for s in self.layer_specs.values()),
+            }
+        cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=True, **hybrid)
         cache.num_gpu_blocks = cfg.num_gpu_blocks
         extra = {
             "spec_name": "KvcachedCPUOffloadingSpec",
@@ -192,7 +208,7 @@ class Harness:
             "offload_prompt_only": False,
             **cfg.extra_config,
         }
-        return VllmConfig(
+        config = VllmConfig(
             model_config=model,
             cache_config=cache,
             device_config=DeviceConfig("cpu"),
@@ -211,43 +227,25 @@ class Harness:
                 kv_connector_module_path=CONNECTOR_MODULE if kvcached_connector else None,
             ),
         )
-
-    def _group_specs(self) -> list[KVCacheSpec]:
-        cfg = self.config
-        common: dict[str, Any] = {
-            "block_size": cfg.block_size,
-            "num_kv_heads": cfg.num_kv_heads,
-            "head_size": cfg.head_size,
-            "dtype": torch.float16,
-        }
-        specs: list[KVCacheSpec] = [FullAttentionSpec(**common)]
-        if cfg.sliding_window is not None:
-            specs.append(SlidingWindowSpec(sliding_window=cfg.sliding_window, **common))
-        return specs
+        # vLLM turns its hybrid KV cache manager off where the platform does not support it
+        # (``current_platform.support_hybrid_kv_cache()``: not on this CPU box) and keeps it on
+        # a GPU with the OffloadingConnector (which supports HMA); the harness models the GPU
+        # server, so each kind keeps its groups as a GPU engine plans them.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        return config
 
     def _build_kv_cache_config(self) -> KVCacheConfig:
-        # Block-outermost layout (kvcached's contiguous layout): block b is one row of the KV
-        # memory holding every layer slot's page; groups overlay the same slots (a block id
-        # belongs to one group at a time), as vLLM's hybrid allocator lays them out.
-        cfg = self.config
-        specs = self._group_specs()
-        self.page_bytes = specs[0].page_size_bytes
-        self.block_bytes = self.page_bytes * cfg.num_layers
-        self.group_layer_names = [
-            [f"model.layers.{g * cfg.num_layers + i}.self_attn.attn" for i in range(cfg.num_layers)]
-            for g in range(len(specs))
-        ]
-        size = cfg.num_gpu_blocks * self.block_bytes
-        return KVCacheConfig(
-            num_blocks=cfg.num_gpu_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=size, layers=list(names), layer_stride=self.page_bytes, block_stride=self.block_bytes
-                )
-                for names in self.group_layer_names
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(n), s) for n, s in zip(self.group_layer_names, specs, strict=True)],
-        )
+        # vLLM's own grouping and block-outermost layout of the kind's layers (kv_specs): block b
+        # is one row of the KV memory holding every layer slot's page; groups overlay the same
+        # slots (a block id belongs to one group at a time), as vLLM's hybrid allocator lays them out.
+        plan = plan_kv_cache(self.vllm_config, self.layer_specs, self.config.num_gpu_blocks)
+        self.page_bytes = plan.page_bytes
+        self.block_bytes = plan.block_bytes
+        self.group_layer_names = plan.group_layer_names
+        self.group_offsets = plan.group_offsets
+        self.real_bytes = plan.real_bytes
+        self.state_groups = plan.state_groups
+        return plan.kv_cache_config
 
     def _build_worker(self, rank: int, provider: KVMemory) -> None:
         cfg = self.config
@@ -261,10 +259,8 @@ class Harness:
             # vLLM's worker connector re-derives a packed block from storage offset 0.
             raise ConfigError("harness: kv_memory must return a contiguous tensor that starts its storage")
         mem8 = mem.view(torch.int8)
-        views = [
-            [mem8[:, i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(cfg.num_layers)]
-            for _ in self.group_layer_names
-        ]
+        page = self.page_bytes
+        views = [[mem8[:, off : off + page] for off in offsets] for offsets in self.group_offsets]
         kv_caches = {
             name: views[g][i] for g, names in enumerate(self.group_layer_names) for i, name in enumerate(names)
         }
@@ -511,8 +507,6 @@ class Harness:
             raise RuntimeError(f"harness: load job {plan.job_id} was never seen in a step's metadata")
         spec = plan.device_spec
         ids = [int(b) for b in spec.block_ids]
-        bs = self.config.block_size
-        tok_bytes = self.page_bytes // bs
         off = 0
         for g, (n, first) in enumerate(zip(spec.group_sizes, spec.block_indices, strict=True)):
             for i in range(n):
@@ -520,12 +514,7 @@ class Harness:
                 ok = True
                 for layer, view in enumerate(self._layer_views[rank][g]):
                     got = view[block_id].cpu().numpy().tobytes()
-                    bad = tuple(
-                        k * bs + s
-                        for s in range(bs)
-                        if got[s * tok_bytes : (s + 1) * tok_bytes]
-                        != self.model.kv_bytes(req_id, k * bs + s, g, layer, rank)
-                    )
+                    bad = self.model.bad_positions(got, req_id, k, self.block_size, g, layer, rank)
                     if bad:
                         ok = False
                         self._mismatches.append(

@@ -23,7 +23,13 @@ class HarnessConfig:
     num_layers: int = 2  # per KV group
     num_kv_heads: int = 1
     head_size: int = 32
-    sliding_window: int | None = None  # tokens; set: groups are [full attention, sliding window]
+    sliding_window: int | None = None  # tokens; kind "full": groups are [full attention, sliding window]
+    # The model kind (kv_specs.KINDS): "full" (llama), "gemma3" (5 sliding : 1 full), "gpt-oss" (sliding
+    # and full alternating, window 128), "sliding" (Mistral), "mla" (DeepSeek-V2's 576-wide latent),
+    # "qwen3-next" (3 Gated DeltaNet state layers : 1 full, a 64-token block). The window kinds take
+    # ``sliding_window`` as their window, else their model's.
+    kind: str = "full"
+    mamba_cache_mode: str = "align"  # qwen3-next: vLLM 0.33's CacheConfig knows "align" and "none"
     blocks_per_chunk: int = 1
     cpu_bytes_to_use: int = 8 << 20
     max_num_batched_tokens: int = 512

@@ -8,7 +8,10 @@ halve a prompt, remove a fault, turn async scheduling off) and a test case must 
 disk and read back; ``Workload`` actions refer to earlier requests by their ordinal among the
 ``Add`` actions, so removing one is a renumbering, not a search.
 
-What a seed varies: sync or async scheduling, the worker side at schedule or
+What a seed varies: the model kind (its KV cache groups: full attention, with or without a
+sliding window; Gemma3's five sliding groups and one full; gpt-oss's 128-token window beside
+full; Mistral's sliding window alone; DeepSeek-V2's MLA latent; Qwen3-Next's three Gated DeltaNet
+state groups beside full attention, 64-token blocks); sync or async scheduling, the worker side at schedule or
 late; tensor parallel 1 or 2 with a rank that reports late; a sliding window; blocks per CPU
 chunk; GPU blocks few enough that vLLM preempts; a batch-token budget small enough to chunk
 prefills; the CPU tier's size and eviction policy; kvcached's page size in blocks, reserve bounds
@@ -21,7 +24,7 @@ running requests, with the connector); memory-limit shrinks and raises.
 from __future__ import annotations
 
 import random
-from typing import TypeAlias
+from typing import Final, NamedTuple, TypeAlias
 
 import msgspec
 
@@ -29,12 +32,33 @@ BLOCK_SIZE = 16  # tokens per vLLM block (the harness's default)
 MAX_MODEL_LEN = 1024
 
 
+class Kind(NamedTuple):
+    """A model kind as the harness builds it (``kv_specs``; ``test_kvsim`` checks they agree)."""
+
+    block_size: int  # tokens per block (Qwen3-Next: vLLM's hybrid alignment of a 7,680-byte state)
+    groups: int  # KV cache groups (a sliding window adds one to "full")
+    group_block_bytes: int  # one block of one group: its layers' pages
+    layers: int  # the harness's num_layers: repeats of the kind's layer pattern
+    state_groups: int  # Mamba groups: a few blocks each, however long the request
+
+
+KINDS: Final[dict[str, Kind]] = {
+    "full": Kind(BLOCK_SIZE, 1, 4096, 2, 0),
+    "gemma3": Kind(BLOCK_SIZE, 6, 4096, 2, 0),
+    "gpt-oss": Kind(BLOCK_SIZE, 2, 4096, 2, 0),
+    "sliding": Kind(BLOCK_SIZE, 1, 4096, 2, 0),
+    "mla": Kind(BLOCK_SIZE, 1, 2 * 18432, 2, 0),  # 16 tokens x 576 x fp16 per layer: no power of two
+    "qwen3-next": Kind(64, 4, 8192, 1, 3),
+}
+
+
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
+    kind: str = "full"  # KINDS; a case written before kinds were drawn reads as "full"
     async_scheduling: bool = False
     worker_at_schedule: bool = False  # async only: each step's worker side right after its schedule
     tp: int = 1
     late_steps: int = 0  # the last rank reports (and copies) its jobs this many steps late
-    sliding_window: int | None = None  # tokens; set: a full-attention and a sliding-window group
+    sliding_window: int | None = None  # tokens; "full": set adds a sliding-window group; window kinds: their window
     blocks_per_chunk: int = 1
     num_gpu_blocks: int = 64
     max_num_batched_tokens: int = 512
@@ -100,6 +124,8 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
         if c.async_scheduling:
             sched = "async/worker-at-schedule" if c.worker_at_schedule else "async/worker-late"
         window = f"window {c.sliding_window}" if c.sliding_window else "no window"
+        if c.kind != "full":
+            window = f"{c.kind} {groups(c)} groups{f', {window}' if c.sliding_window else ''}"
         cap = "no cap" if c.max_cached_blocks is None else f"cap {c.max_cached_blocks}"
         return (
             f"{sched}, tp {c.tp}{f' (rank {c.tp - 1} {c.late_steps} late)' if c.late_steps else ''}, {window}, "
@@ -109,26 +135,45 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+def groups(config: SimConfig) -> int:
+    k = KINDS[config.kind]
+    return k.groups + (1 if config.kind == "full" and config.sliding_window else 0)
+
+
 def max_request_tokens(config: SimConfig) -> int:
-    """Prompt plus output a request may have so that it fits the GPU blocks alone (with room)."""
-    groups = 2 if config.sliding_window else 1
-    return min(MAX_MODEL_LEN - 8, max(BLOCK_SIZE, (config.num_gpu_blocks // groups - 3) * BLOCK_SIZE))
+    """Prompt plus output a request may have so that it fits the GPU blocks alone (with room):
+    vLLM gives every attention group a block per token position of a prefill (a window's are
+    freed after), a state group a few blocks at most."""
+    k = KINDS[config.kind]
+    bs = k.block_size
+    attention = groups(config) - k.state_groups
+    blocks = (config.num_gpu_blocks - 3 * k.state_groups) // attention - 3
+    return min(MAX_MODEL_LEN - 8, max(bs, blocks * bs))
+
+
+# How often each kind is drawn, and the GPU blocks it draws from (Gemma3's six groups need more,
+# Qwen3-Next's 64-token blocks fewer, for vLLM to preempt).
+_KIND_WEIGHTS: Final = (("full", 8), ("gemma3", 2), ("gpt-oss", 2), ("sliding", 2), ("mla", 2), ("qwen3-next", 2))
+_GPU_BLOCKS: Final = {"gemma3": (72, 96, 144, 192, 288), "qwen3-next": (16, 20, 24, 32, 48)}
+_WINDOWS: Final = {"full": (None, None, 16, 32), "gemma3": (16, 32), "gpt-oss": (128,), "sliding": (16, 32)}
 
 
 def draw_config(rng: random.Random) -> SimConfig:
+    kind = rng.choices([k for k, _ in _KIND_WEIGHTS], [w for _, w in _KIND_WEIGHTS])[0]
     async_scheduling = rng.random() < 0.5
     tp = 2 if rng.random() < 0.2 else 1
     late = rng.choice((1, 2, 3)) if (tp == 2 and rng.random() < 0.7) or rng.random() < 0.15 else 0
     bpc = rng.choice((1, 1, 2, 4))
     lo, hi = rng.choice(((0, 0), (0, 0), (0, 2), (1, 4)))
     return SimConfig(
+        kind=kind,
         async_scheduling=async_scheduling,
         worker_at_schedule=async_scheduling and rng.random() < 0.5,
         tp=tp,
         late_steps=late,
-        sliding_window=rng.choice((None, None, 16, 32)),
+        sliding_window=rng.choice(_WINDOWS.get(kind, (None,))),
         blocks_per_chunk=bpc,
-        num_gpu_blocks=rng.choice((24, 32, 48, 64, 96)),
+        num_gpu_blocks=rng.choice(_GPU_BLOCKS.get(kind, (24, 32, 48, 64, 96))),
         max_num_batched_tokens=rng.choice((32, 64, 128, 512)),
         max_num_seqs=rng.choice((2, 4, 8)),
         cpu_blocks=max(2 * bpc, rng.choice((8, 16, 64, 256))),
@@ -144,7 +189,8 @@ def draw(seed: int) -> Case:
     rng = random.Random(seed)
     config = draw_config(rng)
     cap = max_request_tokens(config)
-    prefixes = [rng.randint(8, 64) for _ in range(2)]
+    scale = KINDS[config.kind].block_size // BLOCK_SIZE  # lengths in blocks, whatever a block holds
+    prefixes = [rng.randint(8, 64) * scale for _ in range(2)]
     actions: list[Action] = []
     adds: list[Add] = []
     for i in range(rng.randint(2, 10)):
@@ -155,12 +201,12 @@ def draw(seed: int) -> Case:
             add = Add(a.prompt_seed, a.length, max_tokens, a.shared, a.shared_len, follow_up=a.follow_up)
         elif adds and r < 0.3:  # a follow-up turn: an earlier request's prompt and output, then more
             j = rng.randrange(len(adds))
-            add = Add(seed * 1000 + i, rng.randint(1, 24), max_tokens, follow_up=j)
+            add = Add(seed * 1000 + i, rng.randint(1, 24 * scale), max_tokens, follow_up=j)
         else:
             shared = rng.randrange(2) if rng.random() < 0.4 else -1
             add = Add(
                 seed * 1000 + i,
-                rng.randint(1, 120),
+                rng.randint(1, 120 * scale),
                 max_tokens,
                 shared,
                 prefixes[shared] if shared >= 0 else 0,
@@ -177,7 +223,7 @@ def draw(seed: int) -> Case:
         elif f < 0.16:
             # With a sliding window, the connector reset is what vLLM 0.33 gets wrong (stale
             # window block ids stored after it): drawn more often there.
-            connector = rng.random() < (0.6 if config.sliding_window else 0.3)
+            connector = rng.random() < (0.6 if config.sliding_window or config.kind == "qwen3-next" else 0.3)
             actions.append(Reset(running=rng.random() < 0.4, connector=connector))
         elif f < 0.24:
             actions.append(Limit(rng.choice((0, 250, 500, 750))))

@@ -32,7 +32,18 @@ from kvcached.ledger.events import Policy
 from kvcached.ledger.findings import plural
 from kvcached.vllm.engine_core.engine import Engine, EngineConfig, assemble
 from kvcached.vllm.testing.harness import Harness, HarnessConfig
-from kvcached.vllm.testing.sim.draw import BLOCK_SIZE, Abort, Add, Case, Limit, Reset, Step, request_tokens
+from kvcached.vllm.testing.sim.draw import (
+    BLOCK_SIZE,
+    KINDS,
+    Abort,
+    Add,
+    Case,
+    Limit,
+    Reset,
+    Step,
+    groups,
+    request_tokens,
+)
 from kvcached.vllm.testing.sim.memory import MemoryChecks
 from kvcached.vllm.testing.sim.result import Coverage, Findings, SeedResult
 
@@ -88,15 +99,19 @@ class _Kvcached:
 
 def harness_config(case: Case) -> HarnessConfig:
     c = case.config
-    groups = 2 if c.sliding_window else 1
-    block_bytes = 4096  # the harness's default geometry: 2 layers of 16 tokens x 1 head x 32 x K,V x fp16
+    kind = KINDS[c.kind]
+    # The CPU tier in GPU blocks of every group: 2 layers of 16 tokens x 1 head x 32 x K,V x fp16
+    # for the default geometry, the kind's own otherwise (draw.KINDS).
+    cpu_bytes = c.cpu_blocks * kind.group_block_bytes * groups(c) * c.tp
     return HarnessConfig(
+        kind=c.kind,
         tp=c.tp,
         block_size=BLOCK_SIZE,
+        num_layers=kind.layers,
         num_gpu_blocks=c.num_gpu_blocks,
         sliding_window=c.sliding_window,
         blocks_per_chunk=c.blocks_per_chunk,
-        cpu_bytes_to_use=c.cpu_blocks * block_bytes * groups * c.tp,
+        cpu_bytes_to_use=cpu_bytes,
         max_num_batched_tokens=c.max_num_batched_tokens,
         max_num_seqs=c.max_num_seqs,
         extra_config={"eviction_policy": c.eviction_policy},

@@ -14,6 +14,14 @@ worker side, where a real GPU would touch memory:
   request's block puts foreign KV under this request's key);
 * after a load copies: the blocks it wrote hold the request's KV.
 
+Per KV group, by its kind: an attention group's block holds token slots (a sliding-window group
+is attended within its table's non-null blocks, MLA's slot is one 1,152-byte latent); a state
+group's (vLLM's ``MambaSpec``, "align" mode) holds the state after its last computed token, so
+the forward reads one block, the state its step starts from (``cdiv(start, bs) - 1``), checked
+before the forward overwrites it, and a stored or loaded state block ``k`` must hold the state
+after token ``(k + 1) * bs - 1``; only the state's real bytes count (vLLM pads the page to the
+attention page and the offloading worker copies the unpadded bytes).
+
 Pages are asked through the host backend's checking mode (``HostBackend.unmapped_in``): an
 unmapped page is ``PROT_NONE`` there, so an access the checks did not announce kills the run
 with SIGSEGV rather than reading zeros. A detected access is recorded and the page exposed, so
@@ -41,9 +49,10 @@ class MemoryChecks:
         self.h = h
         self.backends = list(backends) if backends is not None else None
         self.f = findings
-        self.bs = h.config.block_size
+        self.bs = h.block_size
         self.block_bytes = h.block_bytes
-        self.tb = h.page_bytes // self.bs  # one token's slot in one layer's block
+        self.states = h.state_groups
+        self.tb = [h.model.token_bytes(g) for g in range(len(h.group_layer_names))]  # a token's slot, per group
         self.expected: dict[tuple[bytes, int, int, int], bytes] = {}
         self.verified: dict[tuple[int, int, int], tuple[int, int, bytes, int]] = {}
         self.gen: dict[tuple[int, int], int] = {}  # (rank, block) -> writes seen
@@ -69,16 +78,25 @@ class MemoryChecks:
         step, bs = self.h._executing, self.bs
         written = []
         for row in rows:
-            for ids in row.block_ids:
-                for k in range(row.start // bs, -(-row.end // bs)):
+            for g, ids in enumerate(row.block_ids):
+                last = -(-row.end // bs)
+                first = last - 1 if g in self.states else row.start // bs  # a state: its one block
+                for k in range(first, last):
                     if k < len(ids) and ids[k]:
                         written.append(ids[k])
                         self._touch(rank, ids[k], step, row.req_id, "the forward writes it")
+                if g in self.states and row.start > 0:  # the state the step starts from, before it is updated
+                    k = -(-row.start // bs) - 1
+                    b = ids[k] if k < len(ids) else 0
+                    if b and self._touch(rank, b, step, row.req_id, "the state update reads it"):
+                        self._verify(rank, g, b, row.req_id, k, row.start - k * bs, "attended-bytes", step)
         orig(rows, views, rank)
         for b in written:
             self.gen[(rank, b)] = self.gen.get((rank, b), 0) + 1
         for row in rows:  # what attention reads: the whole table up to the step's end
             for g, ids in enumerate(row.block_ids):
+                if g in self.states:
+                    continue
                 for k in range(min(len(ids), -(-row.end // bs))):
                     b = ids[k]
                     if b and self._touch(rank, b, step, row.req_id, "attention reads it"):
@@ -155,13 +173,20 @@ class MemoryChecks:
         key = (rank, g, block)
         if self.verified.get(key) == stamp:
             return True
-        tb = self.tb
+        tb, state = self.tb[g], g in self.states
         for layer, view in enumerate(self.h._layer_views[rank][g]):
-            got = view[block].numpy().tobytes()[: n * tb]
-            want = b"".join(self._expected(req, p, hs[p], g, layer, rank) for p in range(start, start + n))
+            if state:  # the state after the block's last computed token
+                last = start + n - 1
+                want = self._expected(req, last, hs[last], g, layer, rank)
+                got = view[block].numpy().tobytes()[: len(want)]
+            else:
+                got = view[block].numpy().tobytes()[: n * tb]
+                want = b"".join(self._expected(req, p, hs[p], g, layer, rank) for p in range(start, start + n))
             self.bytes_checked += len(want)
             if got != want:
-                bad = next(i for i in range(n) if got[i * tb : (i + 1) * tb] != want[i * tb : (i + 1) * tb])
+                bad = n - 1 if state else next(
+                    i for i in range(n) if got[i * tb : (i + 1) * tb] != want[i * tb : (i + 1) * tb]
+                )
                 who = f"{'store' if check == 'store-bytes' else 'load'} job {job}: " if job is not None else ""
                 zero = " (all zeros)" if not any(got) else ""
                 self.f.fail(

@@ -129,7 +129,7 @@ def _candidates(case: Case) -> Iterator[Case]:
     default = SimConfig()
     for name in ("async_scheduling", "worker_at_schedule", "late_steps", "sliding_window", "blocks_per_chunk",
                  "max_cached_blocks", "min_reserved_pages", "max_reserved_pages", "eviction_policy", "cpu_blocks",
-                 "max_num_seqs", "max_num_batched_tokens", "page_blocks"):
+                 "max_num_seqs", "max_num_batched_tokens", "page_blocks", "kind"):
         if getattr(c, name) != getattr(default, name):
             yield msgspec.structs.replace(case, config=msgspec.structs.replace(c, **{name: getattr(default, name)}))
     if c.tp != 1:
