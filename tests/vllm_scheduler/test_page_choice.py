@@ -131,7 +131,10 @@ def test_the_engine_core_plans_for_its_platform_and_logs_the_choice_once(monkeyp
 
     handler = Keep(logging.INFO)
     served.log.addHandler(handler)
-    monkeypatch.setattr(served.log, "level", logging.INFO)
+    # setLevel, not the attribute: it also clears the logger's isEnabledFor cache, which an earlier
+    # test's logging on vllm.kvcached (test_metrics) leaves saying INFO is off.
+    level = served.log.level
+    served.log.setLevel(logging.INFO)
     monkeypatch.setattr("kvcached.vllm.patches.on_cpu", lambda: True)
     monkeypatch.setattr("kvcached.vllm.engine_core.step_sender.decision_backends", decision_backends)
     scheduler = type("S", (), {"kv_cache_config": per_layer(MAMBA2)})()
@@ -154,3 +157,4 @@ def test_the_engine_core_plans_for_its_platform_and_logs_the_choice_once(monkeyp
         assert seen["kind"] == "cuda" and seen["plan"].page_bytes == 2 * MiB and not lines  # the default: no line
     finally:
         served.log.removeHandler(handler)
+        served.log.setLevel(level)
