@@ -1,19 +1,25 @@
-"""Model kinds beyond the llama (issue 28), on vLLM's CPU build.
+"""Model kinds beyond the llama, served (issue 28), on vLLM's CPU build.
 
 First, that the tiny models of ``kvcached.testing.tiny_kinds`` are witnesses at all: each kind,
 built with transformers' own config class, must give different greedy next tokens for the
 validation prompts (with transformers' default init every prompt got the same token, so a wrong
-KV block could not show). Then the seed's served protocol on a sliding-window kind (Gemma3-style,
-window 32 alternating with full attention: two KV cache groups, the kind where kvcached PR #598's
-case 3 lives): native vLLM and kvcached under ``ledger`` launched with the same flags give the
-same greedy tokens, top-5 logprobs and cached-token counts over two passes with a prefix-cache
-reset between, and the ledger's journal replays clean; under ``legacy``, with the same pages, the
-journal of the same load shows the freed-block copy (I1: a page unmapped under a store job).
-``KVCACHED_CAPTURE_DIR=traces`` keeps both journals as golden traces (serve-gemma3.*.kvj).
+KV block could not show). Then the seed's served protocol on every kind vLLM's CPU build serves
+(kvcached PR #598's GPU matrix, at toy size): native vLLM and kvcached under ``ledger`` launched
+with the same flags give the same greedy tokens, top-5 logprobs and cached-token counts over two
+passes with a prefix-cache reset between, and the ledger's journal replays clean; under
+``legacy`` (the bug planted: a page unmapped while a store still reads it) the journal of the
+same load shows the freed-block copy where the kind has it. Pages hold one block of a layer
+where that is a power of two (so that a freed block's page really goes); where the block does
+not divide 2 MiB (MLA, Mamba2) no page size is set at all and kvcached chooses one, which the
+server's log must say. ``KVCACHED_CAPTURE_DIR=traces`` keeps the journals as golden traces
+(``serve-<kind>.<policy>.kvj``). One test per kind, its three servers shared by its checks.
 """
 
 from __future__ import annotations
 
+import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -53,11 +59,43 @@ def test_each_kind_answers_prompts_differently(kind: str, tmp_path: Path) -> Non
     assert len(set(firsts)) >= 4, f"{kind}: greedy first tokens {firsts}"
 
 
-def _serve(model: str, policy: str | None, out: Path, env: dict[str, str]) -> tuple[Server, list[Completion]]:
+@dataclass(frozen=True)
+class Served:
+    """How a kind is served here and what ``legacy`` shows for it (measured; see the issue 28 note)."""
+
+    page_mb: str | None  # KVCACHED_PAGE_SIZE_MB for both kvcached servers; None: kvcached chooses
+    # Whether the OffloadingConnector copies anything for the kind: vLLM turns prefix caching off
+    # for a Mamba2-only model, so nothing is stored or loaded and legacy has no copy to break; the
+    # test checks that no job was built rather than assume it.
+    offloads: bool = True
+
+
+# Pages of 128 tokens of one layer: 128 x 2 KV heads x 64 x (K, V) x 2 B = 64 KiB for the attention
+# kinds (one block at vLLM's CPU block size; Qwen3-Next's hybrid alignment makes its block 256
+# tokens, 128 KiB). MLA's latent block is 18432 B at the block 16 of vLLM's reference CPU MLA
+# backend (147456 B at 128 where the CPU has AMX): 0.140625 MiB fits either, and 18432 B alone is
+# no multiple of the host's 4 KiB granularity. Mamba2's 134912 B state does not divide 2 MiB, and
+# no page is set for it: kvcached chooses one, which the server's log must say.
+SERVED: dict[str, Served] = {
+    "qwen2": Served("0.0625"),
+    "gemma3": Served("0.0625"),
+    "gpt_oss": Served("0.0625"),
+    "mistral": Served("0.0625"),
+    "qwen3_next": Served("0.125"),
+    "deepseek_v2": Served("0.140625"),
+    "mamba2": Served(None, offloads=False),
+}
+
+
+def _serve(model: str, policy: str | None, out: Path, page_mb: str | None) -> tuple[Server, list[Completion]]:
     journal = out / f"{policy}.kvj" if policy else None
     cfg = validation_config(model, policy, journal)
     if policy:
-        cfg.env.update(env)
+        if page_mb is None:
+            cfg.env.pop("KVCACHED_PAGE_SIZE_MB", None)
+        else:
+            cfg.env["KVCACHED_PAGE_SIZE_MB"] = page_mb
+        cfg.env["KVCACHED_DUMP_DIR"] = str(out / f"dumps-{policy}")
     server = Server(cfg, out / f"{policy or 'native'}.log").start()
     try:
         assert server.wait_ready(), server.log()[-3000:]
@@ -68,26 +106,50 @@ def _serve(model: str, policy: str | None, out: Path, env: dict[str, str]) -> tu
     return server, outputs
 
 
-def test_sliding_window_kind_served_like_native(tmp_path: Path) -> None:
-    model = str(build(tmp_path / "gemma3", "gemma3"))
-    _, native = _serve(model, None, tmp_path, {})
-    # Pages of one 64 KiB block (per layer region), so that a freed block's page really goes.
-    pages = {"KVCACHED_PAGE_SIZE_MB": "0.0625"}
-    server, ours = _serve(model, "ledger", tmp_path, pages)
-    _, legacy = _serve(model, "legacy", tmp_path, pages)
-    assert sum(c.cached_tokens or 0 for c in native[10:]) > 0, "native never loaded from the CPU tier"
-    assert len({c.tokens for c in native[:10]}) > 5, "the model answers prompts alike"
+# Qwen3-Next under KVCACHED_MAX_CACHED_TOKENS=0: request 2 (first pass) reports 0 cached tokens
+# where native reports 256 (outputs equal); being explained (issue 28).
+_PENDING = {"qwen3_next": "issue 28: Qwen3-Next's cached-token count under KVCACHED_MAX_CACHED_TOKENS=0"}
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(k, marks=pytest.mark.xfail(reason=_PENDING[k], strict=True)) if k in _PENDING else k
+        for k in sorted(SERVED)
+    ],
+)
+def test_kind_served_like_native(kind: str, tmp_path: Path) -> None:
+    how = SERVED[kind]
+    started = time.monotonic()
+    model = str(build(tmp_path / kind, kind))
+    _, native = _serve(model, None, tmp_path, how.page_mb)
+    server, ours = _serve(model, "ledger", tmp_path, how.page_mb)
+    _, legacy = _serve(model, "legacy", tmp_path, how.page_mb)
+    assert len({c.tokens for c in native[:10]}) > 5, f"{kind}: the model answers prompts alike"
+    cached = [c.cached_tokens or 0 for c in native]
     for i, (a, b) in enumerate(zip(native, ours, strict=True)):
         assert a.ok and b.ok, (a.status, b.status)
-        assert b.tokens == a.tokens, f"request {i}: {b.text!r} != native {a.text!r}"
-        assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
-        assert b.cached_tokens == a.cached_tokens, f"request {i}: cached {b.cached_tokens} != {a.cached_tokens}"
-    assert "policy=ledger" in server.log()
+        assert b.tokens == a.tokens, f"{kind} request {i}: {b.text!r} != native {a.text!r}"
+        assert b.max_logprob_diff(a) == 0.0, f"{kind} request {i}: top-5 logprobs differ"
+        assert b.cached_tokens == a.cached_tokens, f"{kind} request {i}: cached {b.cached_tokens} != {a.cached_tokens}"
+    log = server.log()
+    assert "policy=ledger" in log
+    if how.page_mb is None:
+        assert "[kvcached] page size: a KV block takes" in log and "chose" in log, log[-3000:]
     rc, report = replay_check(tmp_path / "ledger.kvj", timeout=300)
     assert rc == 0 and "clean" in report, report
-    rc, report = replay_check(tmp_path / "legacy.kvj", timeout=300)
-    assert rc == 1 and "I1 unmap-under-job" in report, report
+    rc, legacy_report = replay_check(tmp_path / "legacy.kvj", timeout=300)
     differ = [i for i, (a, b) in enumerate(zip(native, legacy, strict=True)) if a.tokens != b.tokens]
-    print(f"gemma3 legacy: {len(differ)} of 20 outputs differ from native ({differ}); {report.splitlines()[-2]}")
-    keep_trace(tmp_path / "ledger.kvj", "serve-gemma3.ledger.kvj")
-    keep_trace(tmp_path / "legacy.kvj", "serve-gemma3.legacy.kvj")
+    verdict = [line for line in legacy_report.splitlines() if "violation" in line or "clean" in line]
+    page = re.search(r"active: backend=\w+, page=([0-9.]+ MiB)", log)
+    print(
+        f"\n{kind}: page {page.group(1) if page else '?'}; native cached {cached}; ledger equal; "
+        f"legacy: {len(differ)} of 20 outputs differ {differ}; "
+        f"{verdict[-1] if verdict else legacy_report[-300:]}; {time.monotonic() - started:.0f} s"
+    )
+    if how.offloads:
+        assert rc == 1 and "I1 unmap-under-job" in legacy_report, legacy_report
+    else:
+        assert rc == 0 and re.search(r"\b0 jobs\b", report) and re.search(r"\b0 jobs\b", legacy_report), report
+    keep_trace(tmp_path / "ledger.kvj", f"serve-{kind.replace('_', '-')}.ledger.kvj")
+    keep_trace(tmp_path / "legacy.kvj", f"serve-{kind.replace('_', '-')}.legacy.kvj")
