@@ -13,7 +13,7 @@ same load shows the freed-block copy where the kind has it. Pages hold 128 token
 divide 2 MiB and no page size is set for it: kvcached chooses one, which the server's log must
 say. Where a kind's cached-token counts depend on the GPU prefix cache that the seed's
 ``KVCACHED_MAX_CACHED_TOKENS=0`` empties (Qwen3-Next: see ``SERVED``), they are compared with
-native vLLM under that same cache state (``native_cap0/``), tokens and logprobs with plain
+native vLLM under that same cache state (``plants/``), tokens and logprobs with plain
 native. ``KVCACHED_CAPTURE_DIR=traces`` keeps the journals as golden traces
 (``serve-<kind>.<policy>.kvj``). One test per kind, its servers shared by its checks.
 """
@@ -74,8 +74,12 @@ class Served:
     offloads: bool = True
     # Whether the kind's cached-token counts depend on the GPU prefix cache kvcached's
     # KVCACHED_MAX_CACHED_TOKENS=0 empties: then they are compared with native vLLM under that same
-    # cache state (native_cap0/sitecustomize.py), and tokens and logprobs with plain native.
+    # cache state (plants/sitecustomize.py, evict-on-free), and tokens and logprobs with plain native.
     counts_need_cache_state: bool = False
+    # What shows that the served comparison sees the bug for this kind: "legacy" (legacy's own
+    # completions differ from native's) or, where legacy's lost pages were never read back into a
+    # token that changed, "zero-loads" (native with every loaded block zeroed: plants/).
+    witness: str = "legacy"
 
 
 # Pages of 128 tokens of one layer: 128 x 2 KV heads x 64 x (K, V) x 2 B = 64 KiB for the attention
@@ -95,29 +99,30 @@ SERVED: dict[str, Served] = {
     # (kv_cache_manager's shared_prefix_boundary): with the cache emptied no state at 256 is saved,
     # and request 2 reports 0 cached tokens where plain native reports 256. Native with the same
     # cache state reports the same 0.
-    "qwen3_next": Served("0.125", counts_need_cache_state=True),
-    "deepseek_v2": Served("0.140625"),
-    "mamba2": Served(None, offloads=False),
+    "qwen3_next": Served("0.125", counts_need_cache_state=True, witness="zero-loads"),
+    "deepseek_v2": Served("0.140625", witness="zero-loads"),
+    "mamba2": Served(None, offloads=False, witness="none: no block is stored or loaded"),
 }
 
 
-NATIVE_CAP0 = Path(__file__).parent / "native_cap0"
+PLANTS = Path(__file__).parent / "plants"
 
 
 def _serve(
-    model: str, policy: str | None, out: Path, page_mb: str | None, *, cap0: bool = False
+    model: str, policy: str | None, out: Path, page_mb: str | None, *, plant: str = ""
 ) -> tuple[Server, list[Completion]]:
     journal = out / f"{policy}.kvj" if policy else None
     cfg = validation_config(model, policy, journal)
-    if cap0:
-        cfg.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NATIVE_CAP0), os.environ.get("PYTHONPATH")) if p)
+    if plant:
+        cfg.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLANTS), os.environ.get("PYTHONPATH")) if p)
+        cfg.env["KVTEST_PLANTS"] = plant
     if policy:
         if page_mb is None:
             cfg.env.pop("KVCACHED_PAGE_SIZE_MB", None)
         else:
             cfg.env["KVCACHED_PAGE_SIZE_MB"] = page_mb
         cfg.env["KVCACHED_DUMP_DIR"] = str(out / f"dumps-{policy}")
-    server = Server(cfg, out / f"{policy or 'native'}{'-cap0' if cap0 else ''}.log").start()
+    server = Server(cfg, out / f"{policy or 'native'}{'-' + plant if plant else ''}.log").start()
     try:
         assert server.wait_ready(), server.log()[-3000:]
         outputs, resets = validation_passes(server)
@@ -125,6 +130,10 @@ def _serve(
     finally:
         server.stop()
     return server, outputs
+
+
+def _same(a: Completion, b: Completion) -> bool:
+    return a.tokens == b.tokens and a.max_logprob_diff(b) == 0.0
 
 
 @pytest.mark.parametrize("kind", sorted(SERVED))
@@ -135,7 +144,9 @@ def test_kind_served_like_native(kind: str, tmp_path: Path) -> None:
     _, native = _serve(model, None, tmp_path, how.page_mb)
     server, ours = _serve(model, "ledger", tmp_path, how.page_mb)
     _, legacy = _serve(model, "legacy", tmp_path, how.page_mb)
-    counted = _serve(model, None, tmp_path, how.page_mb, cap0=True)[1] if how.counts_need_cache_state else native
+    counted = native
+    if how.counts_need_cache_state:
+        counted = _serve(model, None, tmp_path, how.page_mb, plant="evict-on-free")[1]
     assert len({c.tokens for c in native[:10]}) > 5, f"{kind}: the model answers prompts alike"
     cached = [c.cached_tokens or 0 for c in native]
     for i, (a, b, n) in enumerate(zip(native, ours, counted, strict=True)):
@@ -166,6 +177,12 @@ def test_kind_served_like_native(kind: str, tmp_path: Path) -> None:
     )
     if how.offloads:
         assert rc == 1 and "I1 unmap-under-job" in legacy_report, legacy_report
+        planted = legacy
+        if how.witness == "zero-loads":
+            planted = _serve(model, None, tmp_path, how.page_mb, plant="zero-loads")[1]
+        seen = [i for i, (a, b) in enumerate(zip(native, planted, strict=True)) if not _same(a, b)]
+        print(f"{kind}: the comparison sees the {how.witness} plant in {len(seen)} of 20 completions {seen}")
+        assert seen, f"{kind}: {how.witness} changed no completion: the comparison cannot see the bug"
     else:
         assert rc == 0 and re.search(r"\b0 jobs\b", report) and re.search(r"\b0 jobs\b", legacy_report), report
     keep_trace(tmp_path / "ledger.kvj", f"serve-{kind.replace('_', '-')}.ledger.kvj")
