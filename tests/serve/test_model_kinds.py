@@ -186,4 +186,5 @@ def test_kind_served_like_native(kind: str, tmp_path: Path) -> None:
     else:
         assert rc == 0 and re.search(r"\b0 jobs\b", report) and re.search(r"\b0 jobs\b", legacy_report), report
     keep_trace(tmp_path / "ledger.kvj", f"serve-{kind.replace('_', '-')}.ledger.kvj")
-    keep_trace(tmp_path / "legacy.kvj", f"serve-{kind.replace('_', '-')}.legacy.kvj")
+    if how.offloads:  # a legacy golden trace is a witness of the bug (tests/test_operate.py replays its first)
+        keep_trace(tmp_path / "legacy.kvj", f"serve-{kind.replace('_', '-')}.legacy.kvj")
