@@ -38,6 +38,9 @@ from .settings import BUDGET_NAME
 
 NAME = BUDGET_NAME  # as KVCACHED_BUDGET takes it (settings.py)
 HEADROOM_MAX_AGE = 0.005  # seconds a headroom read is reused: vLLM asks for free blocks per request
+# Seconds a process waits for a budget's lock before refusing: a holder keeps it for a read and a
+# rename (microseconds), so a lock held this long means a stuck or stopped process.
+LOCK_WAIT = 10.0
 _VERSION = 1
 _tags = itertools.count(1)
 
@@ -144,8 +147,45 @@ def _check_name(name: str) -> None:
         raise ConfigError(f"budget name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
 
 
+def _what(path: str) -> str:
+    """What is at ``path``, in words, for a refusal."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as exc:
+        return f"unusable ({exc.strerror})"
+    for test, words in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    ):
+        if test(mode):
+            return words
+    return "not this user's"
+
+
+def _open_regular(path: str, flags: int) -> int:
+    """Open ``path`` only if it is a regular file of this user: never through a link
+    (``O_NOFOLLOW``), never waiting on a FIFO (``O_NONBLOCK``: opening one to read would block
+    until a writer came, and every engine's next page map with it). ``FileNotFoundError`` passes;
+    anything else is refused in one line that says what is there."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise BudgetError(f"{path} is {_what(path)}, not a budget's regular file; remove it") from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise BudgetError(f"{path} is {_what(path)}, not a budget's regular file; remove it")
+    return fd
+
+
 class _Files:
-    """The lock file and the state file of one budget."""
+    """The lock file and the state file of one budget: regular files of this user only."""
 
     def __init__(self, name: str, directory: str | None) -> None:
         _check_name(name)
@@ -154,14 +194,15 @@ class _Files:
         self.dir = d
         self.path = os.path.join(d, f"budget-{name}.json")
         lock = os.path.join(d, f"budget-{name}.lock")
-        self.lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.lock = lock
+        self.lock_fd = _open_regular(lock, os.O_RDWR | os.O_CREAT)
 
     def close(self) -> None:
         os.close(self.lock_fd)
 
     def read(self) -> BudgetFile:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = _open_regular(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return BudgetFile()
         try:
@@ -184,10 +225,32 @@ class _Files:
             os.close(fd)
         os.replace(tmp, self.path)  # atomic: a reader sees the old state or the new one
 
+    def _lock(self) -> None:
+        """The lock, waited for at most ``LOCK_WAIT`` seconds (polled: ``flock`` has no timeout)."""
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        deadline = time.monotonic() + LOCK_WAIT
+        pause = 0.0001
+        while True:
+            time.sleep(pause)
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise BudgetError(
+                        f"{self.lock} has been locked by another process for over {LOCK_WAIT:.0f} s "
+                        "(a stopped or stuck kvcached engine or kvctl?); stop it, or remove the file if none runs"
+                    ) from None
+                pause = min(pause * 2, 0.01)
+
     @contextlib.contextmanager
     def locked(self, *, reclaim: bool = True) -> Iterator[BudgetFile]:
         """The state under the lock; ``reclaim``: dead engines' shares dropped (and written)."""
-        fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
+        self._lock()
         try:
             state = self.read()
             live = tuple(s for s in state.shares if _alive(s)) if reclaim else state.shares

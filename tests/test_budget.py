@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,3 +288,90 @@ def test_the_reserve_stops_at_the_budget(bdir) -> None:
     finally:
         m.backend.close()
         bud.close()
+
+
+# --- what is at a budget's paths (issue 30: regular files only, never a link, bounded waits) -----
+
+
+def _plant(path: str, what: str, target: str) -> None:
+    if what == "symlink":
+        os.symlink(target, path)
+    elif what == "directory":
+        os.mkdir(path, 0o700)
+    else:
+        os.mkfifo(path, 0o600)
+
+
+@pytest.fixture
+def alarm():
+    """A planted FIFO used to hang the process on open: fail in 5 s rather than hang the suite."""
+
+    def timeout(*_: object) -> None:
+        raise AssertionError("blocked on a budget file")
+
+    old = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(5)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("which", [".json", ".lock"])
+@pytest.mark.parametrize("what", ["symlink", "directory", "fifo"])
+def test_a_budget_file_that_is_not_a_regular_file_is_refused_in_one_line(
+    which: str, what: str, bdir: str, tmp_path, alarm
+) -> None:
+    target = tmp_path / "victim"
+    target.write_text("someone else's")
+    path = os.path.join(bdir, f"budget-gpu0{which}")
+    _plant(path, what, str(target))
+    words = {"symlink": "a symbolic link", "directory": "a directory", "fifo": "a FIFO"}[what]
+    # A KvcachedError: an engine core logs it as its one "[kvcached] refused:" line (served.py).
+    with pytest.raises(BudgetError, match=f"^{re.escape(path)} is {words}, not a budget's regular file; remove it$"):
+        Budget.open("gpu0", 4 * MiB, directory=bdir)
+    with pytest.raises(BudgetError, match="not a budget's regular file"):
+        budget_usage("gpu0", directory=bdir)
+    with pytest.raises(BudgetError, match="not a budget's regular file"):
+        set_budget_size("gpu0", 4 * MiB, directory=bdir)
+    assert target.read_text() == "someone else's"  # nothing written through the link
+    # what was planted stays, and nothing else is left (no half-written state, no temporary file)
+    left = set(os.listdir(bdir))
+    assert os.path.basename(path) in left and left <= {os.path.basename(path), "budget-gpu0.lock"}, left
+
+
+def test_kvctl_refuses_a_fifo_in_one_line_without_hanging(tmp_path) -> None:
+    """As a user meets it: kvctl budget (setting a size, or reading one) prints one line, exit 1."""
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    d = runtime / "kvcached"
+    d.mkdir(mode=0o700)
+    os.mkfifo(d / "budget-gpu0.json", 0o600)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    for argv in (["budget", "gpu0", "4M"], ["budget", "gpu0"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True, timeout=30, env=env
+        )
+        assert r.returncode == 1, (argv, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"{d / 'budget-gpu0.json'} is a FIFO, not a budget's regular file; remove it" in r.stderr
+
+
+def test_a_held_lock_is_waited_for_a_bounded_time(bdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    import kvcached.budget as budget_module
+
+    b = Budget.open("gpu0", 4 * MiB, directory=bdir)
+    other = os.open(os.path.join(bdir, "budget-gpu0.lock"), os.O_RDWR)  # another open file: flock conflicts
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        monkeypatch.setattr(budget_module, "LOCK_WAIT", 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(BudgetError, match=r"budget-gpu0.lock has been locked by another process for over 0 s"):
+            b.try_acquire(MiB)
+        assert time.monotonic() - t0 < 5
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert b.try_acquire(MiB)  # and the budget works again once it is let go
+    finally:
+        os.close(other)
+        b.close()
