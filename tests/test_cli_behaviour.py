@@ -107,5 +107,27 @@ def test_demo_json_is_one_object_per_scenario_and_policy() -> None:
     r = tool("kvreplay", "demo", "--json", "finish-in-write-step")
     rows = json.loads(r.stdout)
     assert r.returncode == 0 and [(x["scenario"], x["policy"]) for x in rows] == [
-        ("finish-in-write-step", "legacy"), ("finish-in-write-step", "ledger")]
+        ("finish-in-write-step", "legacy"),
+        ("finish-in-write-step", "ledger"),
+    ]
     assert rows[0]["violations"] and rows[1]["violations"] == []
+
+
+def test_a_trace_too_large_for_the_memory_limit_is_one_line_not_a_bug(tmp_path: Path) -> None:
+    """A header may declare up to 2**24 blocks (ledger tables of 1 to 2 GB): under a memory limit
+    that is out of memory, said in one line with exit 1, not an internal error (issue 30)."""
+    from kvcached.ledger.events import BuildBoundary, Header, Policy, PoolGeometry
+    from kvcached.ledger.journal import JournalWriter
+
+    big = tmp_path / "big.kvj"
+    header = Header(
+        page_bytes=1 << 21, pools=(PoolGeometry(block_bytes=1 << 12, num_blocks=1 << 24),), policy=Policy.LEDGER
+    )
+    with JournalWriter.create(big, header) as w:
+        w.append([BuildBoundary(0), BuildBoundary(1)])
+    # The limit is set once the tool is imported, so that only the run itself can hit it.
+    limit = "import resource, kvreplay.cli; resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20)); "
+    r = tool("kvreplay", "check", "--no-progress", str(big), prelude=limit)
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r
+    assert r.stderr.startswith(f"kvreplay: out of memory while running check on {big}: "), r.stderr
+    assert "a bug" not in r.stderr

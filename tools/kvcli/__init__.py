@@ -108,6 +108,16 @@ def run(tool: str, body: Callable[[], int], *, debug_env: str, context: str = ""
         return OK
     except KeyboardInterrupt:
         return INTERRUPTED
+    except MemoryError:
+        # Not a bug: an input may ask for more than the process may have (a trace's header
+        # declaring 2**24 blocks makes ledger tables of 1 to 2 GB) under a memory limit.
+        on = f" {context}" if context else ""
+        print(
+            f"{tool}: out of memory{on}: the run needs more memory than this process may use; "
+            "raise its limit (ulimit -v) or free memory",
+            file=sys.stderr,
+        )
+        return FAILED
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"{tool}: {where}{exc.strerror or one_line(exc)}", file=sys.stderr)
