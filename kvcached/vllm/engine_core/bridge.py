@@ -177,15 +177,15 @@ class Bridge:
                 self._hold(rid, groups)
         meta = self._orig["build_connector_meta"](scheduler_output)
         emit, workers = self._emit, self.workers
-        written_after = self._record_owners(owners, meta) if owners else ()
+        after = self._record_owners(owners, meta) if owners else ()
         # Sorted: vLLM hands some of these over as sets of strings, whose order changes with the
         # hash seed, and a journal of the same run must be the same bytes (golden traces).
         for job_id, job in sorted(meta.load_jobs.items()):
             emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (_block_ids(job.dst_spec),), workers))
         for job_id, job in sorted(meta.store_jobs.items()):
             emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (_block_ids(job.src_spec),), workers))
-        for r, blocks in written_after:
-            emit(RequestBlocks(r, POOL, blocks))
+        for r, fresh, shared in after:
+            emit(RequestBlocks(r, POOL, fresh, shared))
         preempted = self._preempted
         for rid in sorted(scheduler_output.preempted_req_ids or ()):
             r = self.req(rid)
@@ -239,9 +239,10 @@ class Bridge:
 
     def _record_owners(
         self, owners: list[tuple[int, tuple[int, ...], tuple[int, ...]]], meta: Any
-    ) -> list[tuple[int, tuple[int, ...]]]:
-        """Emit ``RequestBlocks`` before the build's jobs; return the fresh blocks to be told as
-        written only after them.
+    ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """Emit ``RequestBlocks`` before the build's jobs; return those to be emitted only after
+        them, as (request, fresh, shared): the writes told late, then the holds of the same
+        blocks by requests that hit them in this step.
 
         A fresh block is written by the forward of this step, but a store job that vLLM puts in
         ``jobs_to_flush`` copies before that forward (the worker's ``handle_preemptions`` waits
@@ -249,7 +250,16 @@ class Bridge:
         previous step, whose freed blocks this schedule may give to another request: that store
         reads the finished request's own KV. Such a block (read by flushed stores, and by no
         unflushed store but its new holder's own) is told as held now and as written after the
-        jobs, or the ledger would see a foreign store (I5) that is none."""
+        jobs, or the ledger would see a foreign store (I5) that is none.
+
+        A request scheduled later in the same step may hold such a block as a prefix hit:
+        vLLM's ``KVCacheManager.allocate_slots`` caches a request's full blocks when it
+        allocates them (``cache_blocks``), before ``Scheduler.schedule`` matches the next
+        waiting request (``get_computed_blocks``). What that request reads there is the KV its
+        first holder writes in this step, its own prefix: its hold is told after that write
+        too, or its own later store of the block would be I5's foreign store (issue 30). No
+        unflushed store of this build reads a block told late (or it would be told at once),
+        so moving the hold past the jobs hides nothing a store here copies."""
         flushed: set[int] = set()
         unflushed: dict[int, set[int]] = {}  # block -> requests of unflushed stores that read it
         flush = meta.jobs_to_flush
@@ -262,15 +272,28 @@ class Bridge:
                     r = self.req(job.req_id)
                     for b in ids:
                         unflushed.setdefault(b, set()).add(r)
-        after: list[tuple[int, tuple[int, ...]]] = []
+        late: set[int] = set()  # blocks whose write is told after the jobs
+        written: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        if flushed:
+            for r, new, _ in owners:
+                later = tuple(b for b in new if b in flushed and unflushed.get(b, set()) <= {r})
+                if later:
+                    late.update(later)
+                    written.append((r, later, ()))
+        hits: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
         for r, new, shared in owners:
-            later = tuple(b for b in new if b in flushed and unflushed.get(b, set()) <= {r}) if flushed else ()
-            if later:
-                new = tuple(b for b in new if b not in later)
-                shared = (*shared, *later)
-                after.append((r, later))
+            if late:
+                later = tuple(b for b in new if b in late)  # its own writes told late: held now
+                held = tuple(b for b in shared if b in late)  # same-step hits on them: held after
+                if later or held:
+                    new = tuple(b for b in new if b not in late)
+                    shared = (*(b for b in shared if b not in late), *later)
+                if held:
+                    hits.append((r, (), held))
+                if not new and not shared:
+                    continue
             self._emit(RequestBlocks(r, POOL, new, shared))
-        return after
+        return written + hits
 
     def _hold(self, request_id: str, groups: tuple[list[int], ...]) -> None:
         blocks = tuple(b for g in sorted(self.windows) if g < len(groups) for b in groups[g] if b)
