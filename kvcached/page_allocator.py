@@ -339,31 +339,41 @@ class PageAllocator:
 
     def _trim(self) -> None:
         kept: list[int] = []
-        while self._goable and (len(self._reserved) > self.max_reserved or self.mapped > self.limit):
-            page = max(self._goable)  # give back the top of the range first
-            self._goable.discard(page)
-            try:
-                self.backend.unmap_page(page)
-            except PageStillMappedError as e:
-                # Nothing was returned: the page is still mapped, reserved and let go. It is goable
-                # again after this pass (within it, max() would pick it again), and the next drain
-                # tries again even if no page has become releasable since.
-                if page not in self._unmap_failed:
-                    log.warning("page %d stays mapped, to be unmapped again at the next drain: %s", page, e)
-                self._unmap_failed.add(page)
-                kept.append(page)
-                continue
-            except BackendError as e:
-                # The memory was returned and only a step after it failed (``Backend.unmap_page``
-                # marks the slot unmapped first): the page is unmapped and must be counted so, or
-                # it would be handed out again with nothing behind it.
-                log.warning("page %d unmapped with an error: %s", page, e)
-            self._unmap_failed.discard(page)
-            self._reserved.discard(page)
-            heapq.heappush(self._free, page)
-            if self.budget is not None:
-                self.budget.release(self.page_cost)
-            self.recorder.emit(PageUnmapped(self.base + page))
+        gone = 0
+        # The top of the range goes first. One heap for the pass: taking max() of the set for each
+        # page made a shrink that lets many pages go at once quadratic (issue 30).
+        order = [-p for p in self._goable]
+        heapq.heapify(order)
+        try:
+            while order and (len(self._reserved) > self.max_reserved or self.mapped > self.limit):
+                page = -heapq.heappop(order)
+                self._goable.discard(page)
+                try:
+                    self.backend.unmap_page(page)
+                except PageStillMappedError as e:
+                    # Nothing was returned: the page is still mapped, reserved and let go. It is goable
+                    # again after this pass, and the next drain tries again even if no page has
+                    # become releasable since.
+                    if page not in self._unmap_failed:
+                        log.warning("page %d stays mapped, to be unmapped again at the next drain: %s", page, e)
+                    self._unmap_failed.add(page)
+                    kept.append(page)
+                    continue
+                except BackendError as e:
+                    # The memory was returned and only a step after it failed (``Backend.unmap_page``
+                    # marks the slot unmapped first): the page is unmapped and must be counted so, or
+                    # it would be handed out again with nothing behind it.
+                    log.warning("page %d unmapped with an error: %s", page, e)
+                self._unmap_failed.discard(page)
+                self._reserved.discard(page)
+                heapq.heappush(self._free, page)
+                gone += 1
+                self.recorder.emit(PageUnmapped(self.base + page))
+        finally:
+            if gone and self.budget is not None:
+                # One budget change for the pass (each is a locked rewrite of the budget's file),
+                # made even if an unmap raised: the pages before it are unmapped.
+                self.budget.release(gone * self.page_cost)
         self._goable.update(kept)
         self._unmap_retry = bool(kept)
 

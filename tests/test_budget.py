@@ -290,6 +290,41 @@ def test_the_reserve_stops_at_the_budget(bdir) -> None:
         bud.close()
 
 
+class CountingBudget:
+    """A real budget whose releases are counted (each is a locked rewrite of the budget's file)."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget, self.name = budget, budget.name
+        self.releases: list[int] = []
+
+    def try_acquire(self, nbytes: int, *, force: bool = False) -> bool:
+        return self.budget.try_acquire(nbytes, force=force)
+
+    def release(self, nbytes: int) -> None:
+        self.releases.append(nbytes)
+        self.budget.release(nbytes)
+
+    def headroom(self) -> int | None:
+        return self.budget.headroom()
+
+
+def test_pages_that_go_together_are_given_back_in_one_budget_change(bdir) -> None:
+    """Issue 30: a shrink gave each page back with its own locked rewrite of the budget's file."""
+    bud = Budget.open("gpu0", 8 * PAGE, directory=bdir)
+    counting = CountingBudget(bud)
+    m = manager(counting)  # type: ignore[arg-type]
+    try:
+        blocks = m.alloc(32)  # all 8 pages
+        m.free(blocks)
+        release_grace(m, 0)
+        assert m.state().mapped == 0
+        assert counting.releases == [8 * PAGE] and bud.held == 0
+        assert budget_usage("gpu0", directory=bdir).used == 0
+    finally:
+        m.backend.close()
+        bud.close()
+
+
 # --- what is at a budget's paths (issue 30: regular files only, never a link, bounded waits) -----
 
 
