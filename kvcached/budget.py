@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from .errors import ConfigError, ServiceError
+from .ledger.files import kind
 from .settings import BUDGET_NAME
 
 NAME = BUDGET_NAME  # as KVCACHED_BUDGET takes it (settings.py)
@@ -153,17 +154,7 @@ def _what(path: str) -> str:
         mode = os.lstat(path).st_mode
     except OSError as exc:
         return f"unusable ({exc.strerror})"
-    for test, words in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a device"),
-        (stat.S_ISBLK, "a device"),
-    ):
-        if test(mode):
-            return words
-    return "not this user's"
+    return "another user's file" if stat.S_ISREG(mode) else kind(mode)
 
 
 def _open_regular(path: str, flags: int) -> int:
