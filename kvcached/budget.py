@@ -218,25 +218,24 @@ class _Files:
 
     def _lock(self) -> None:
         """The lock, waited for at most ``LOCK_WAIT`` seconds (polled: ``flock`` has no timeout)."""
-        try:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        deadline = time.monotonic() + LOCK_WAIT
+        deadline: float | None = None
         pause = 0.0001
         while True:
-            time.sleep(pause)
             try:
                 fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise BudgetError(
-                        f"{self.lock} has been locked by another process for over {LOCK_WAIT:.0f} s "
-                        "(a stopped or stuck kvcached engine or kvctl?); stop it, or remove the file if none runs"
-                    ) from None
-                pause = min(pause * 2, 0.01)
+                pass
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + LOCK_WAIT
+            elif now >= deadline:
+                raise BudgetError(
+                    f"{self.lock} has been locked by another process for over {LOCK_WAIT:.0f} s "
+                    "(a stopped or stuck kvcached engine or kvctl?); stop it, or remove the file if none runs"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     @contextlib.contextmanager
     def locked(self, *, reclaim: bool = True) -> Iterator[BudgetFile]:

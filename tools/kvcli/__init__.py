@@ -96,6 +96,7 @@ def one_line(exc: BaseException) -> str:
 
 def run(tool: str, body: Callable[[], int], *, debug_env: str, context: str = "") -> int:
     """Runs ``body`` under the promise above and returns its exit code (for ``sys.exit``)."""
+    on = f" {context}" if context else ""
     try:
         return body()
     except KvcachedError as exc:
@@ -111,7 +112,6 @@ def run(tool: str, body: Callable[[], int], *, debug_env: str, context: str = ""
     except MemoryError:
         # Not a bug: an input may ask for more than the process may have (a trace's header
         # declaring 2**24 blocks makes ledger tables of 1 to 2 GB) under a memory limit.
-        on = f" {context}" if context else ""
         print(
             f"{tool}: out of memory{on}: the run needs more memory than this process may use; "
             "raise its limit (ulimit -v) or free memory",
@@ -125,7 +125,6 @@ def run(tool: str, body: Callable[[], int], *, debug_env: str, context: str = ""
     except Exception as exc:
         if os.environ.get(debug_env) == "1":
             raise
-        on = f" {context}" if context else ""
         print(
             f"{tool}: internal error{on}: {type(exc).__name__}: {one_line(exc)} "
             f"(a bug: please report it; {debug_env}=1 shows the traceback)",
