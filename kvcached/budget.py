@@ -2,18 +2,22 @@
 
 kvcached exists so that several models share one GPU's memory: an idle engine gives its KV
 pages back and a busy one maps them. Engines that name the same budget (``KVCACHED_BUDGET``)
-map pages only within it: before mapping a page an engine's allocator asks ``try_acquire`` for
-the page's bytes (every layer, region and replica), and ``release`` gives them back on unmap.
-There is no daemon to crash or to start first: the budget is a small JSON file in a per-user
-directory (``$XDG_RUNTIME_DIR/kvcached/`` or ``/dev/shm/kvcached-<uid>/``, mode 0700, checked to
-be the user's own and not a link), changed only under ``fcntl.flock`` of a lock file beside it
-and replaced atomically (write to a temporary file, ``rename``), so a reader never sees half a
-state and an engine killed mid-update leaves the previous one. Each engine's share is keyed by
-pid, process start time (``/proc/<pid>/stat`` field 22, so a pid reused by another process is
-not taken for the engine) and a per-process tag (one process may run several engines, as the
-tests do); whoever next takes the lock drops the shares of dead processes, so an engine killed
-with SIGKILL holds nothing for long: as long as it takes a live engine to look (its next
-free-block count, at most ``HEADROOM_MAX_AGE`` later while it serves).
+map pages only within it: an engine's allocator takes a page's bytes (every layer, region and
+replica) before mapping it, with ``acquire_up_to`` (its free-block count leases what it promises
+vLLM: ``kvcached.page_allocator``), and ``release`` gives them back. There is no daemon to crash
+or to start first: the budget is a small JSON file in a per-user directory
+(``$XDG_RUNTIME_DIR/kvcached/`` or ``/dev/shm/kvcached-<uid>/``, mode 0700, checked to be the
+user's own and not a link), read and changed only under ``fcntl.flock`` of a lock file beside
+it. Since every reader takes the lock, a change rewrites the file in place (one ``pwrite`` of at
+most a page, which a killed process leaves whole; a larger state is written beside and renamed
+over): a grant and a release cost about 11 us each on tmpfs, against 140 us when each change
+wrote a new file and looked up every engine in ``/proc`` (issue 30). Each engine's share is
+keyed by pid, process start time (``/proc/<pid>/stat`` field 22, so a pid reused by another
+process is not taken for the engine) and a per-process tag (one process may run several
+engines, as the tests do). The shares of dead processes are dropped when they could matter: when
+a grant would fall short, when an engine joins and when the size is set; ``usage`` shows them
+dead and does not count them. So an engine killed with SIGKILL holds nothing another engine
+needs.
 
 A budget without a size bounds nothing until one is set (``KVCACHED_BUDGET_BYTES`` or
 ``set_budget_size``, which ``kvctl budget NAME SIZE`` calls). Lowering the size below what is in
@@ -43,6 +47,9 @@ HEADROOM_MAX_AGE = 0.005  # seconds a headroom read is reused: vLLM asks for fre
 # rename (microseconds), so a lock held this long means a stuck or stopped process.
 LOCK_WAIT = 10.0
 _VERSION = 1
+# The most bytes of state rewritten in place: within one page, which a write at offset 0 fills
+# in one step (the kernel checks for a fatal signal only between pages).
+_IN_PLACE = 4096
 _tags = itertools.count(1)
 
 
@@ -187,19 +194,48 @@ class _Files:
         lock = os.path.join(d, f"budget-{name}.lock")
         self.lock = lock
         self.lock_fd = _open_regular(lock, os.O_RDWR | os.O_CREAT)
+        self._fd: int | None = None  # the state file (``_state``), and which file it is
+        self._id = (0, 0)
+        self._len = 0  # the state file's length at the last read or write
 
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         os.close(self.lock_fd)
 
-    def read(self) -> BudgetFile:
+    def _state(self) -> tuple[int, int] | None:
+        """The state file, kept open between changes, and its length; None if there is none yet.
+
+        Reopened when the path names another file than the one held: replaced by an older
+        kvcached's rename, or removed. Under the lock."""
         try:
-            fd = _open_regular(self.path, os.O_RDONLY)
+            st = os.lstat(self.path)
         except FileNotFoundError:
+            st = None
+        if self._fd is not None and (st is None or (st.st_ino, st.st_dev) != self._id):
+            os.close(self._fd)
+            self._fd = None
+        if st is None:
+            return None
+        if self._fd is None:
+            try:
+                fd = _open_regular(self.path, os.O_RDWR)
+            except FileNotFoundError:
+                return None
+            held = os.fstat(fd)
+            self._fd, self._id = fd, (held.st_ino, held.st_dev)
+            st = held
+        return self._fd, st.st_size
+
+    def read(self) -> BudgetFile:
+        found = self._state()
+        if found is None:
+            self._len = 0
             return BudgetFile()
-        try:
-            data = os.read(fd, 1 << 20)
-        finally:
-            os.close(fd)
+        fd, size = found
+        data = os.pread(fd, size, 0)
+        self._len = len(data)
         try:
             state = msgspec.json.decode(data, type=BudgetFile)
         except msgspec.DecodeError as exc:
@@ -209,9 +245,20 @@ class _Files:
         return state
 
     def write(self, state: BudgetFile) -> None:
+        """Replace the state read under the same lock. Readers read under the lock too, so the
+        state may be rewritten in place: one ``pwrite`` at offset 0 of at most ``_IN_PLACE``
+        bytes (padded with JSON's blanks to the old length, never truncated), which a process
+        killed mid-call leaves whole. A new or larger file is written beside and renamed over."""
+        data = msgspec.json.encode(state)
+        if self._fd is not None and len(data) <= _IN_PLACE and self._len <= _IN_PLACE:
+            if len(data) < self._len:
+                data += b" " * (self._len - len(data))
+            os.pwrite(self._fd, data, 0)
+            self._len = len(data)
+            return
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".budget-")
         try:
-            os.write(fd, msgspec.json.encode(state))
+            os.write(fd, data)
         finally:
             os.close(fd)
         os.replace(tmp, self.path)  # atomic: a reader sees the old state or the new one
@@ -238,18 +285,29 @@ class _Files:
             pause = min(pause * 2, 0.01)
 
     @contextlib.contextmanager
-    def locked(self, *, reclaim: bool = True) -> Iterator[BudgetFile]:
-        """The state under the lock; ``reclaim``: dead engines' shares dropped (and written)."""
+    def locked(self, *, reclaim: bool = False) -> Iterator[BudgetFile]:
+        """The state under the lock; ``reclaim``: dead engines' shares dropped first (and written)."""
         self._lock()
         try:
             state = self.read()
-            live = tuple(s for s in state.shares if _alive(s)) if reclaim else state.shares
-            if len(live) != len(state.shares):
-                state = msgspec.structs.replace(state, shares=live)
-                self.write(state)
+            if reclaim:
+                state = self.reclaim(state)
             yield state
         finally:
             fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+
+    def reclaim(self, state: BudgetFile) -> BudgetFile:
+        """``state`` without the shares of dead processes (written if any went); under the lock.
+
+        Asked only where a dead share could matter (joining, resizing, a grant that would fall
+        short): it reads ``/proc`` for each share, which was 40% of a grant's cost when every
+        change did it."""
+        live = tuple(s for s in state.shares if _alive(s))
+        if len(live) == len(state.shares):
+            return state
+        state = msgspec.structs.replace(state, shares=live)
+        self.write(state)
+        return state
 
 
 class Budget:
@@ -277,17 +335,18 @@ class Budget:
                 s,
                 size=s.size if size is None else size,
                 shares=(*s.shares, Share(pid=budget.pid, start=budget.start, tag=budget.tag, bytes=0)),
-            )
+            ),
+            reclaim=True,
         )
         return budget
 
     def _mine(self, s: Share) -> bool:
         return s.pid == self.pid and s.tag == self.tag
 
-    def _change(self, fn: Callable[[BudgetFile], BudgetFile | None]) -> BudgetFile:
+    def _change(self, fn: Callable[[BudgetFile], BudgetFile | None], *, reclaim: bool = False) -> BudgetFile:
         if self._closed:
             raise BudgetError(f"budget {self.name} is closed")
-        with self._files.locked() as state:
+        with self._files.locked(reclaim=reclaim) as state:
             new = fn(state)
             if new is not None and new is not state:
                 self._files.write(new)
@@ -307,20 +366,31 @@ class Budget:
             shares.append(Share(pid=self.pid, start=self.start, tag=self.tag, bytes=self.held + delta))
         return msgspec.structs.replace(state, shares=tuple(shares))
 
-    def try_acquire(self, nbytes: int, *, force: bool = False) -> bool:
-        """Take ``nbytes`` if the budget has them (``force``: even if not, an overdraft)."""
-        granted = False
+    def try_acquire(self, nbytes: int) -> bool:
+        """Take ``nbytes`` if the budget has them, else nothing."""
+        return self.acquire_up_to(nbytes, nbytes) == nbytes
+
+    def acquire_up_to(self, nbytes: int, unit: int) -> int:
+        """Take as many whole ``unit``s of ``nbytes`` as the budget has room for, in one change;
+        returns the bytes taken (a multiple of ``unit``, possibly 0).
+
+        The shares of dead processes are dropped only when the room falls short, so a grant
+        that fits costs one locked read and one write."""
+        if nbytes <= 0 or unit <= 0:
+            return 0
+        granted = 0
 
         def take(state: BudgetFile) -> BudgetFile | None:
             nonlocal granted
-            if not force and state.size is not None and state.used + nbytes > state.size:
-                return None
-            granted = True
-            return self._with_bytes(state, nbytes)
+            room = nbytes if state.size is None else min(nbytes, max(0, state.size - state.used))
+            if room < nbytes and any(s.pid != self.pid for s in state.shares):
+                state = self._files.reclaim(state)
+                room = min(nbytes, max(0, (state.size or 0) - state.used))
+            granted = room - room % unit
+            return self._with_bytes(state, granted) if granted else state
 
         self._change(take)
-        if granted:
-            self.held += nbytes
+        self.held += granted
         return granted
 
     def release(self, nbytes: int) -> None:
@@ -333,7 +403,7 @@ class Budget:
 
     def set_size(self, nbytes: int | None) -> None:
         """Bound the budget at ``nbytes`` (None: unbounded); what is in use stays mapped."""
-        self._change(lambda s: msgspec.structs.replace(s, size=nbytes))
+        self._change(lambda s: msgspec.structs.replace(s, size=nbytes), reclaim=True)
 
     def headroom(self, max_age: float = HEADROOM_MAX_AGE) -> int | None:
         """Bytes the budget can still grant (None: unbounded), read at most ``max_age`` ago."""
@@ -398,7 +468,7 @@ def set_budget_size(name: str, nbytes: int | None, *, directory: str | None = No
         raise ConfigError(f"budget {name}: size must be >= 0 bytes, got {nbytes}")
     files = _Files(name, directory)
     try:
-        with files.locked() as state:
+        with files.locked(reclaim=True) as state:
             files.write(msgspec.structs.replace(state, size=nbytes))
         return _usage(name, files)
     finally:

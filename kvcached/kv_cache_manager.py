@@ -203,8 +203,8 @@ class KVCacheManager:
         self.num_allocated = 0
         self._bytes: dict[int, torch.Tensor] = {}
         self._num_blocks = geometry.num_blocks
-        # ``available_size``'s page part, valid while the allocator's change count (and the
-        # budget's headroom, which other engines move) is the one in the key.
+        # ``available_size``'s page part, valid while the allocator's ``count_key`` is the one
+        # in the key.
         self._page_blocks = 0
         self._page_blocks_key: object = None
 
@@ -252,12 +252,9 @@ class KVCacheManager:
 
         vLLM's scheduler asks for as many blocks as the page-aware pool reports free, inside
         ``Scheduler.schedule()``, so an overcount is an engine crash, not a refusal."""
-        alloc = self.allocator
-        budget = alloc.budget
-        key = alloc.changes if budget is None else (alloc.changes, budget.headroom())
-        if key != self._page_blocks_key:
+        if self.allocator.count_key() != self._page_blocks_key:
             self._page_blocks = self._count_page_blocks()
-            self._page_blocks_key = key
+            self._page_blocks_key = self.allocator.count_key()  # as the count left it (a lease)
         return min(self._partial_free + self._page_blocks, self._num_blocks - self.num_allocated)
 
     def _count_page_blocks(self) -> int:

@@ -23,19 +23,24 @@ pages that pins keep mapped stay in service meanwhile (refusing them can deadloc
 ``pages_available``). ``state()`` says what a pending shrink waits for, in pages and in bytes
 (``page_cost``: what one logical page costs in every layer, region and replica).
 
-A shared budget (``kvcached.budget``), when given, bounds mapping as the limit does: a page is
-mapped only if the budget grants its bytes, which go back on unmap, and the pages it cannot
-grant are not counted available, so vLLM sees fewer free blocks rather than a failed
-allocation. The count and the map are two moments: another engine may take the bytes between
-them (the count is read at most ``HEADROOM_MAX_AGE`` before), and a page the count promised is
-then mapped as an overdraft (``overdrafts`` counts them) rather than failing vLLM's scheduler
-mid-step; the budget stays over its size by that page until pages are given back.
+A shared budget (``kvcached.budget``), when given, bounds mapping as the limit does, strictly: a
+page is mapped only with bytes the budget granted, which go back on unmap. The count and the map
+are two moments (vLLM's ``KVCacheManager.allocate_slots`` compares its blocks with
+``get_num_free_blocks`` and then allocates), and another engine may take the budget's bytes
+between them; so the pages a count promises beyond those mapped are *leased*: their bytes are
+taken from the budget when the count is made, spent by the maps, and what is left goes back at
+the next drain (the end of the scheduler call). What the budget cannot grant is not counted, so
+vLLM sees fewer free blocks rather than a failed allocation, and the budget is never exceeded
+(before issue 30 such a page was mapped anyway, as an overdraft). The cost is one grant and one
+release per scheduler call that counts with room to grow (about 11 us each on tmpfs), and
+engines whose scheduler calls overlap see each other's leases as used for that long.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
@@ -51,6 +56,9 @@ from .ledger.recorder import Recorder
 from .settings import format_size as format_bytes
 
 _NONE: frozenset[int] = frozenset()
+# Seconds a count that the budget could not lease in full is reused: vLLM asks for the free
+# blocks once per running request each step, and another engine's release is seen this late.
+RETRY_SHORT_LEASE = 0.005
 log = logging.getLogger("kvcached.page_allocator")
 
 
@@ -100,7 +108,7 @@ class PageBudget(Protocol):
 
     name: str
 
-    def try_acquire(self, nbytes: int, *, force: bool = False) -> bool: ...
+    def acquire_up_to(self, nbytes: int, unit: int) -> int: ...
     def release(self, nbytes: int) -> None: ...
     def headroom(self) -> int | None: ...
 
@@ -145,7 +153,11 @@ class PageAllocator:
             raise KvcachedError("a page allocator under a budget needs the bytes a page costs (page_cost)")
         self.page_cost = page_cost
         self.budget = budget
-        self.overdrafts = 0  # pages mapped beyond the budget (see the module docstring)
+        # Pages of budget bytes held but not mapped: what the last count promised beyond the
+        # mapped pages (module docstring). Invariant: the budget's share of this allocator is
+        # (mapped + _leased) * page_cost.
+        self._leased = 0
+        self._lease_short = False  # the last count wanted more than the budget could lease
         # The three states of a page (module docstring). Invariant: _free, _reserved and _in_use
         # partition range(num_pages), and _free holds no page twice; the backend has exactly the
         # pages of _reserved | _in_use mapped.
@@ -159,8 +171,8 @@ class PageAllocator:
         # whether the last trim left any of them to try again.
         self._unmap_failed: set[int] = set()
         self._unmap_retry = False
-        # Bumped by every change to what ``pages_available``/``hands_out`` answer (the budget's
-        # headroom aside): by each public call that moves pages, and by ``_drain``, the move
+        # Bumped by every change to what ``pages_available``/``hands_out`` answer (a short
+        # lease aside, see ``count_key``): by each public call that moves pages, and by ``_drain``, the move
         # ``drain_releasable`` makes before it trims. The manager caches its block count behind
         # it, because vLLM's scheduler asks for the free count once per running request each step
         # (``KVCacheManager.allocate_slots`` -> ``BlockPool.get_num_free_blocks``), ~290 times at
@@ -192,11 +204,32 @@ class PageAllocator:
         return len(self._reserved) + min(len(self._free), self.limit - self.mapped, self._budget_pages())
 
     def _budget_pages(self) -> int:
-        """Pages the budget can still grant (every page without a budget)."""
-        if self.budget is None:
+        """Pages beyond the mapped ones that maps may use now: leased as the count is made (every
+        page without a budget)."""
+        budget = self.budget
+        if budget is None:
             return self.num_pages
-        room = self.budget.headroom()
-        return self.num_pages if room is None else room // self.page_cost
+        want = min(len(self._free), self.limit - self.mapped)
+        if self._leased < want:
+            cost = self.page_cost
+            self._leased += budget.acquire_up_to((want - self._leased) * cost, cost) // cost
+        self._lease_short = self._leased < want
+        return self._leased
+
+    def count_key(self) -> object:
+        """What a cached count of ``pages_available`` is valid for: the change count, and, while
+        the budget could not lease all that was wanted, the time (another engine may give bytes
+        back; asked again at most every ``RETRY_SHORT_LEASE`` seconds)."""
+        if not self._lease_short:
+            return self.changes
+        return (self.changes, int(time.monotonic() / RETRY_SHORT_LEASE))
+
+    def _return_lease(self) -> None:
+        """Give back the leased bytes no map spent (at a drain: the scheduler call has ended)."""
+        if self._leased and self.budget is not None:
+            n, self._leased = self._leased, 0
+            self.changes += 1
+            self.budget.release(n * self.page_cost)
 
     def hands_out(self, page: int) -> bool:
         """Whether ``page`` is one of the ``pages_available()`` pages that ``alloc_page`` would
@@ -271,21 +304,21 @@ class PageAllocator:
                 self._goable.add(page)
             self._trim()
 
-    def _map_new(self, page: int | None = None, *, demanded: bool = True) -> int:
-        """Map the lowest free page, or ``page`` (a free one). ``demanded``: for blocks vLLM was
-        told it could have (an overdraft if the budget cannot grant it), else for the reserve
-        (``OutOfPagesError`` if the budget cannot)."""
+    def _map_new(self, page: int | None = None) -> int:
+        """Map the lowest free page, or ``page`` (a free one), with leased budget bytes if any
+        are left, else with bytes granted now (``OutOfPagesError`` if the budget has none: never
+        for a page a count promised, which is leased)."""
         if not self._free or self.mapped >= self.limit:
             raise OutOfPagesError(
                 f"no page to map: {self.mapped} of {self.num_pages} mapped, limit {self.limit} "
                 "(raise the limit or KVCACHED_MAX_CACHED_TOKENS, or free blocks)"
             )
         budget = self.budget
-        if budget is not None and not budget.try_acquire(self.page_cost):
-            if not demanded:
+        if budget is not None:
+            if self._leased:
+                self._leased -= 1
+            elif not budget.acquire_up_to(self.page_cost, self.page_cost):
                 raise OutOfPagesError(f"budget {budget.name} cannot grant a page of {format_bytes(self.page_cost)}")
-            budget.try_acquire(self.page_cost, force=True)
-            self.overdrafts += 1
         if page is None:
             page = heapq.heappop(self._free)
         else:  # rare (take_page): O(pages) is fine
@@ -296,7 +329,7 @@ class PageAllocator:
         except BackendError:
             heapq.heappush(self._free, page)  # the backend rolled its side back; so do we
             if budget is not None:
-                budget.release(self.page_cost)
+                self._leased += 1  # still held, given back at the next drain
             raise
         self.recorder.emit(PageMapped(self.base + page))
         return page
@@ -307,7 +340,7 @@ class PageAllocator:
         Whether a page mapped here may go again is the ledger's to say, at the next drain."""
         while len(self._reserved) < self.min_reserved and self._free and self.mapped < self.limit:
             try:
-                page = self._map_new(demanded=False)
+                page = self._map_new()
             except (BackendError, OutOfPagesError):
                 return  # a reserve is an optimisation; the next alloc will report the failure
             self._reserved.add(page)
@@ -321,6 +354,7 @@ class PageAllocator:
         fresh = self._drain()
         if fresh or self._unmap_retry:
             self._trim()
+        self._return_lease()
 
     def _drain(self) -> AbstractSet[int]:
         """Take the ledger's queue; note the reserved pages in it, return all of this range's.
@@ -386,6 +420,7 @@ class PageAllocator:
         self._trim()
         if not self.shrinking:
             self._top_up()
+        self._return_lease()
         return self.state()
 
     def state(self) -> AllocatorState:

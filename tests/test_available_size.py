@@ -8,7 +8,9 @@ as in serving) and a memory limit or a pending shrink leaves only some pages ava
 
 from __future__ import annotations
 
+import time
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from kvcached.backends.host import HostBackend
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry, OutOfBlocksError
 from kvcached.ledger.events import BuildBoundary
+from kvcached.page_allocator import RETRY_SHORT_LEASE
 
 KiB = 1024
 PAGE = 64 * KiB
@@ -128,24 +131,26 @@ def test_available_size_is_exact_under_a_limit(limit: int) -> None:
 
 
 class _Pot:
-    """A budget that another engine in the same test draws on (``PageBudget``)."""
+    """A budget that another engine in the same test draws on (``PageBudget``): ``mine`` is the
+    tested engine's share, ``other`` the other engine's."""
 
     name = "pot"
 
     def __init__(self, size: int) -> None:
-        self.size, self.used = size, 0
+        self.size, self.mine, self.other = size, 0, 0
 
-    def try_acquire(self, nbytes: int, *, force: bool = False) -> bool:
-        if not force and self.used + nbytes > self.size:
-            return False
-        self.used += nbytes
-        return True
+    def acquire_up_to(self, nbytes: int, unit: int) -> int:
+        room = min(nbytes, max(0, self.size - self.mine - self.other))
+        granted = room - room % unit
+        self.mine += granted
+        return granted
 
     def release(self, nbytes: int) -> None:
-        self.used -= nbytes
+        assert 0 < nbytes <= self.mine
+        self.mine -= nbytes
 
     def headroom(self) -> int | None:
-        return max(0, self.size - self.used)
+        return max(0, self.size - self.mine - self.other)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -185,14 +190,22 @@ def test_the_cached_count_is_the_count(
     def afresh() -> int:
         return min(m._partial_free + m._count_page_blocks(), num_blocks - m.num_allocated)
 
+    # A count the budget could not lease in full is reused for RETRY_SHORT_LEASE; the other
+    # engine's moves let that much time pass.
+    skew = [0.0]
+    real = time.monotonic
     try:
-        for op, x in ops:
-            assert m.available_size() == afresh()  # read first, so that a stale cache is in play
-            if op == "other":
-                if pot is not None:
-                    pot.used = max(0, pot.used + (x % 5 - 2) * PAGE)
-            else:
-                held, build = move(m, op, x, held, build)
-            assert m.available_size() == afresh(), op
+        with mock.patch("time.monotonic", lambda: real() + skew[0]):
+            for op, x in ops:
+                assert m.available_size() == afresh()  # read first, so that a stale cache is in play
+                if op == "other":
+                    if pot is not None:
+                        pot.other = max(0, pot.other + (x % 5 - 2) * PAGE)
+                        skew[0] += RETRY_SHORT_LEASE
+                else:
+                    held, build = move(m, op, x, held, build)
+                assert m.available_size() == afresh(), op
+                if pot is not None:  # the engine's share is what it maps and what its count leased
+                    assert pot.mine == (m.allocator.mapped + m.allocator._leased) * PAGE
     finally:
         m.backend.close()

@@ -8,7 +8,7 @@ the shrink tests fail: the idle engine stays at 11 pages (all in use) over a lim
 one with running requests at 16, the comparison's shrink never finishes, and the budget's A
 keeps 14 pages over a limit of 2. The cache cap's test fails under the old LRU choice
 (``eviction="lru"``). The budget test fails with the budget left out of the allocator's count
-of available pages (B maps as an overdraft: the budget is exceeded).
+of available pages (B's scheduler is promised pages the budget does not have).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def test_two_engines_on_one_budget_share_it(elastic, tmp_path) -> None:
         b.h.step()
         sample()
     assert b.h.output_tokens(rid) == b.h.model.continuation(prompt, 3)
-    assert max(used) <= size and a.e.manager.allocator.overdrafts == b.e.manager.allocator.overdrafts == 0
+    assert max(used) <= size
     a.check_consistent()
     b.check_consistent()
     a.close()
