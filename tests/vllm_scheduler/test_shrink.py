@@ -197,6 +197,24 @@ def test_bytes_and_the_reserve_in_bytes(elastic) -> None:
     assert "\n" not in line and " = " in line and "limit" in line
 
 
+def test_an_engine_holds_only_what_it_maps_once_built_and_after_each_call(elastic, tmp_path) -> None:
+    """A count leases the budget's room for the blocks it promises (issue 30's strict grants);
+    the null block's allocation at start counted, and the engine kept that lease while idle, so a
+    second engine on the budget found it full and could not start."""
+    d = tmp_path / "budgets"
+    d.mkdir(mode=0o700)
+    common = dict(max_cached_blocks=None, budget="gpu0", budget_dir=str(d))
+    a = elastic(EngineConfig(**common, budget_bytes=1 << 30))
+    assert a.e.budget.held == a.e.memory().mapped_bytes > 0  # the null block's page, nothing leased
+    b = elastic(EngineConfig(**common))  # joins, and maps its own null block's page
+    rid = a.h.add_request(prompt=a.h.make_prompt(100, seed=5), max_tokens=2)
+    a.h.step()
+    assert a.e.budget.held == a.e.memory().mapped_bytes  # the call's drain gave the lease back
+    while a.h.busy():
+        a.h.step()
+    assert a.h.output_tokens(rid) and b.e.budget.held == b.e.memory().mapped_bytes
+
+
 def test_two_engines_on_one_budget_share_it(elastic, tmp_path) -> None:
     """A fills its prefix cache and holds most of the budget; B's request does not fit what is
     left, so B sees too few free blocks and waits (no error); A's limit is lowered, its cache

@@ -319,6 +319,10 @@ def assemble(
             pool = None
             if manager is not None:
                 pool = install_page_aware_pool(scheduler, manager, max_cached_blocks=config.max_cached_blocks)
+                # The null block's allocation counted free blocks, which leases the budget's room
+                # (kvcached.page_allocator): give back what it did not spend, as every scheduler
+                # call's drain does, or an engine idle from its start would hold it for good.
+                manager.drain_releasable()
         except BaseException:
             recorder.close()
             raise
