@@ -37,6 +37,10 @@ inside ``operator.call`` (the timed calls go through it) and one dump per varian
 deterministic, so they need no interval. Run with the vLLM environment:
 
     .venv-vllm/bin/python benchmarks/bench_bridge.py [--alternations 200] [--callgrind]
+
+``--variants vllm,kvcached`` builds and steps only those (vLLM alone is always the base), and
+``--alternations 0`` with ``--callgrind`` only counts instructions (no timed run): the quick
+loop for a change to the kvcached variant's step.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("vllm", "bridge", "bridge+journal", "kvcached", "kvcached+all")
+# The variants this run builds and steps (``--variants``); vLLM alone, the base, always first.
+selected: tuple[str, ...] = VARIANTS
 BLOCKS_PER_PAGE = 32
 
 
@@ -169,9 +175,7 @@ class Variant:
         block_bytes = scheduler.kv_cache_config.kv_cache_tensors[0].size // nb
         g = KVGeometry(num_blocks=nb, block_bytes=block_bytes, page_bytes=BLOCKS_PER_PAGE * block_bytes)
         self.backends = [HostBackend(page_bytes=g.page_bytes)] if paged else []
-        config = EngineConfig(
-            page_aware=paged, min_reserved_pages=5, max_reserved_pages=10, journal_service=service
-        )
+        config = EngineConfig(page_aware=paged, min_reserved_pages=5, max_reserved_pages=10, journal_service=service)
         self.engine = assemble(scheduler, g, self.backends, config)
 
     def add(self, reqs: list[tuple[str, list[int], int]]) -> None:
@@ -214,7 +218,7 @@ def variants(w: Workload, timer: Callable[..., Any]) -> Iterator[tuple[list[Vari
     tmp = tempfile.mkdtemp(prefix="kvcached-bench-bridge-")
     vs: list[Variant] = []
     try:
-        for name in VARIANTS:
+        for name in selected:
             vs.append(Variant(name, w, tmp, timer))
         requests = Requests(w, vs[0].h.model)
         first = requests.initial()
@@ -245,7 +249,7 @@ def measure(w: Workload, alternations: int) -> dict[str, Any]:
                 times[v.name].append(v.step(requests))
         base = vs[0].scheduled
         differ = {
-            v.name: sum(a != b for a, b in zip(v.scheduled[ws:], base[warm_steps[0]:], strict=False))
+            v.name: sum(a != b for a, b in zip(v.scheduled[ws:], base[warm_steps[0] :], strict=False))
             for v, ws in zip(vs, warm_steps, strict=True)
         }
         running = len(vs[0].h.scheduler.running)
@@ -312,9 +316,21 @@ def callgrind(w: Workload, steps: int, tmp: str) -> dict[str, float]:
         _client_requests(tmp)
     out = os.path.join(tmp, f"cg-{w.name}.out")
     cmd = [
-        "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-        "--toggle-collect=_operator_call", f"--callgrind-out-file={out}",
-        sys.executable, "-P", os.path.abspath(__file__), "--callgrind-child", w.name, str(steps), lib,
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        "--collect-atstart=no",
+        "--toggle-collect=_operator_call",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        "-P",
+        os.path.abspath(__file__),
+        "--callgrind-child",
+        w.name,
+        str(steps),
+        lib,
+        "--variants",
+        ",".join(selected),
     ]
     env = dict(os.environ, PYTHONHASHSEED="0")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(Path(__file__).resolve().parent.parent))
@@ -331,7 +347,7 @@ def callgrind(w: Workload, steps: int, tmp: str) -> dict[str, float]:
                     label = line.split(": ", 3)[-1].strip()
                 elif line.startswith("totals:"):
                     total = int(line.split()[1])
-        if label in VARIANTS:
+        if label in selected:
             per_step[label] = total / steps
     return per_step
 
@@ -339,23 +355,35 @@ def callgrind(w: Workload, steps: int, tmp: str) -> dict[str, float]:
 # --- the report -------------------------------------------------------------------------------
 
 
-def report(w: Workload, m: dict[str, Any], ir: dict[str, float] | None) -> None:
+def report(w: Workload, m: dict[str, Any] | None, ir: dict[str, float] | None) -> None:
+    if m is None:  # --alternations 0: instruction counts only
+        assert ir is not None
+        print(f"\n{w.name}: instructions only")
+        print(f"{'variant':14}  {'Mi instr/step':>13}  {'instr ratio':>11}")
+        for name in selected:
+            n = ir.get(name, float("nan"))
+            print(f"{name:14}  {n / 1e6:13.2f}  {n / ir['vllm']:11.3f}")
+        return
     times = m["times"]
     base = times["vllm"]
     cv = statistics.stdev(base) / statistics.fmean(base)
-    print(f"\n{w.name}: {m['running']} running at the end, {m['alternations']} alternations "
-          f"(vllm step time: median {1e3 * statistics.median(base):.2f} ms, CV {100 * cv:.0f}%)")
+    print(
+        f"\n{w.name}: {m['running']} running at the end, {m['alternations']} alternations "
+        f"(vllm step time: median {1e3 * statistics.median(base):.2f} ms, CV {100 * cv:.0f}%)"
+    )
     head = f"{'variant':14} {'median ms':>9}  {'geo-mean ratio [95% CI]':>26}  {'median ratio [95% boot]':>26}"
     if ir:
         head += f"  {'Mi instr/step':>13}  {'instr ratio':>11}"
     print(head)
-    for name in VARIANTS:
+    for name in selected:
         t = times[name]
         ratios = [a / b for a, b in zip(t, base, strict=True)]
         g, glo, ghi = geo_interval(ratios) if name != "vllm" else (1.0, 1.0, 1.0)
         md, mlo, mhi = median_interval(ratios) if name != "vllm" else (1.0, 1.0, 1.0)
-        line = (f"{name:14} {1e3 * statistics.median(t):9.2f}  {g:8.3f} [{glo:.3f}, {ghi:.3f}]   "
-                f"{md:8.3f} [{mlo:.3f}, {mhi:.3f}]  ")
+        line = (
+            f"{name:14} {1e3 * statistics.median(t):9.2f}  {g:8.3f} [{glo:.3f}, {ghi:.3f}]   "
+            f"{md:8.3f} [{mlo:.3f}, {mhi:.3f}]  "
+        )
         if ir:
             line += f"  {ir.get(name, float('nan')) / 1e6:13.2f}  {ir.get(name, float('nan')) / ir['vllm']:11.3f}"
         if m["differ"].get(name):
@@ -365,22 +393,37 @@ def report(w: Workload, m: dict[str, Any], ir: dict[str, float] | None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--alternations", type=int, default=200)
+    ap.add_argument("--alternations", type=int, default=200, help="timed alternations (0: --callgrind only)")
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"which variants to build and step, of {', '.join(VARIANTS)} (vllm, the base, always runs)",
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--callgrind", action="store_true", help="also count instructions (minutes per workload)")
     ap.add_argument(
-        "--cg-steps", type=int, default=16,
+        "--cg-steps",
+        type=int,
+        default=16,
         help="steps per variant under callgrind (16: one whole block cycle of the decode workloads, whose "
         "requests, admitted together, cross a 16-token block boundary in the same step)",
     )
     ap.add_argument("--json", help="write the raw step times here")
     ap.add_argument("--cg-out", help="keep callgrind's files here (for callgrind_annotate), not in a temporary folder")
     ap.add_argument(
-        "--build", choices=("compiled", "pure"), default="compiled",
+        "--build",
+        choices=("compiled", "pure"),
+        default="compiled",
         help="compiled: kvcached as pip install builds it (scripts/build-compiled.sh); pure: the source tree",
     )
     ap.add_argument("--callgrind-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global selected
+    chosen = {n.strip() for n in args.variants.split(",") if n.strip()}
+    if chosen - set(VARIANTS):
+        print(f"bench_bridge: variants are {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    selected = tuple(n for n in VARIANTS if n in chosen or n == "vllm")
     if args.callgrind_child:
         name, steps, lib = args.callgrind_child
         callgrind_child(WORKLOADS[name], int(steps), lib)
@@ -389,8 +432,12 @@ def main() -> int:
         return _rerun_compiled()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
-    if unknown or not names or args.alternations < 10:
-        print(f"bench_bridge: workloads are {', '.join(WORKLOADS)} and alternations >= 10", file=sys.stderr)
+    timed = args.alternations > 0
+    if unknown or not names or (timed and args.alternations < 10) or not (timed or args.callgrind):
+        print(
+            f"bench_bridge: workloads are {', '.join(WORKLOADS)} and alternations >= 10 (or 0 with --callgrind)",
+            file=sys.stderr,
+        )
         return 2
     if args.callgrind and shutil.which("valgrind") is None:
         print("bench_bridge: --callgrind needs valgrind on PATH", file=sys.stderr)
@@ -409,8 +456,8 @@ def main() -> int:
         for n in names:
             w = WORKLOADS[n]
             ir = callgrind(w, args.cg_steps, cgtmp) if args.callgrind else None
-            m = measure(w, args.alternations)
-            raw[n] = {"times": m["times"], "instructions_per_step": ir}
+            m = measure(w, args.alternations) if timed else None
+            raw[n] = {"times": m["times"] if m else None, "instructions_per_step": ir}
             report(w, m, ir)
     if args.json:
         with open(args.json, "w") as f:
@@ -420,6 +467,8 @@ def main() -> int:
 
 
 BUILD_ENV = "KVCACHED_BENCH_BUILD"
+
+
 def _compiled_names() -> tuple[str, ...]:
     from kvcached.ledger.compiled import COMPILED_MODULES  # the one list, as pip install compiles it
 
