@@ -29,6 +29,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcached.kv_cache_manager",
     "kvcached.page_allocator",
     "kvcached.vllm.engine_core.block_pool",
+    "kvcached.vllm.engine_core.cached_blocks",
     "kvcached.vllm.engine_core.bridge",
     "kvcached.vllm.engine_core.scheduler_calls",
 )

@@ -93,7 +93,7 @@ class PageAwarePool:
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        blocks = self.pool.blocks
+        blocks: list[Any] = self.pool.blocks
         take = min(num_blocks, self.manager.available_size())
         fresh = self.manager.alloc(take) if take else []
         chosen = [blocks[b] for b in fresh]
@@ -123,7 +123,7 @@ class PageAwarePool:
             # vLLM handed nothing out: kvcached keeps no block vLLM did not receive.
             self.manager.free(fresh)
             for b in reversed(evicted):
-                self.evictable[b] = None
+                self.evictable.add(b)
                 self.evictable.move_to_end(b, last=False)
             raise
 
@@ -131,14 +131,23 @@ class PageAwarePool:
         blocks = list(ordered_blocks)
         self._check_held(blocks, "free_blocks")
         self._orig["free_blocks"](blocks)
+        pool = self.pool
+        caching = bool(pool.enable_caching)  # read once: vLLM sets it at BlockPool.__init__
+        evictable = self.evictable
         to_manager: dict[int, None] = {}  # once each: a block may be listed once per reference
         for block in blocks:
-            if block.ref_cnt or block.is_null or (block.pool is not None and block.pool is not self.pool):
+            if block.ref_cnt or block.is_null:
                 continue
-            if block.block_hash is not None and self.pool.enable_caching:
-                self.evictable[block.block_id] = None
+            owner = block.pool
+            if owner is not None and owner is not pool:
+                continue
+            b: int = block.block_id
+            # vLLM's free_blocks queues a block with a hash at the tail (evictable, LRU) and one
+            # without at the head; ``block_hash`` is a Python property, read only when caching.
+            if caching and block.block_hash is not None:
+                evictable.add(b)
             else:
-                to_manager[block.block_id] = None
+                to_manager[b] = None
         self.manager.free(list(to_manager))
         self._cap_cache()
         if self.manager.allocator.shrinking:
@@ -181,7 +190,7 @@ class PageAwarePool:
         self._orig["unpin_blocks"](blocks, on_reuse)
         for block in blocks:
             if block.ref_cnt == 0:
-                self.evictable[block.block_id] = None  # readable until reused: keep its page
+                self.evictable.add(block.block_id)  # readable until reused: keep its page
         if self.manager.allocator.shrinking:
             self.shrink()
 
@@ -207,15 +216,18 @@ class PageAwarePool:
 
     def _check_held(self, blocks: list[Any], call: str) -> None:
         """Before vLLM releases references: every block it holds, kvcached must hold too."""
-        holds, mine = self.manager.holds, self.pool.blocks
+        manager = self.manager
+        mine: list[Any] = self.pool.blocks
         n = len(mine)
         for block in blocks:
             # Only this pool's own block objects: vLLM frees another pool's blocks through it
             # (BlockPool.free_blocks hands them on), and its tests free stand-in KVCacheBlocks.
-            b = block.block_id
-            if block.is_null or b >= n or mine[b] is not block:
+            if block.is_null:
                 continue
-            if not holds(b):
+            b: int = block.block_id
+            if b >= n or mine[b] is not block:
+                continue
+            if not manager.holds(b):
                 raise PoolAgreementError(
                     f"vLLM's {call} releases block {b} (ref_cnt {block.ref_cnt}), "
                     "which kvcached's manager does not hold"
@@ -334,7 +346,6 @@ class PageAwarePool:
 
 
 EVICTION = ("page", "lru")
-
 
 
 def install_page_aware_pool(
