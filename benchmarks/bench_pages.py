@@ -15,7 +15,18 @@ packed floor; with a memory limit lowered mid-load and again when idle, the bloc
 evicts to reach it; and for both, the prefix-cache hit rate (prompt tokens found in the GPU
 prefix cache, from vLLM's own lookup) over the load.
 
-    .venv-vllm/bin/python benchmarks/bench_pages.py [--seed 0] [--steps 300]
+Then placement (issue 30): the manager's rules for which pages a run of blocks goes to
+(``kvcached.kv_cache_manager.Placement``) side by side on decode-shaped traffic, where
+fragmentation comes from: up to 128 requests decoding at once with staggered lengths (16..600
+tokens), arriving for ``--steps`` steps and then finishing with no more arrivals, no prefix
+cache kept (upstream's ``KVCACHED_MAX_CACHED_TOKENS=0``), 4096 blocks on 256 pages. Per rule,
+over ``--seeds`` seeds: the footprint (pages mapped) while the load drains, its mean and its
+sum at the end, and the same load with a memory limit lowered as the arrivals stop: the steps
+until the pages mapped are within it (as many as the run if never), vLLM's preemptions, and
+the tokens scheduled. Upstream kvcached's rule (the fullest page that holds the run, its
+PR #390) and this project's old one (the lowest page) are rows.
+
+    .venv-vllm/bin/python benchmarks/bench_pages.py [--seed 0] [--steps 300] [--part placement]
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from typing import Any
 import torch
 
 from kvcached.backends.host import HostBackend
-from kvcached.kv_cache_manager import KVGeometry
+from kvcached.kv_cache_manager import KVGeometry, Placement
 from kvcached.vllm.engine_core.engine import EngineConfig, assemble
 from kvcached.vllm.testing.harness import Harness, HarnessConfig
 
@@ -45,7 +56,7 @@ def empty_pages(pool: Any, page_blocks: int) -> int:
     for b in pool.blocks:
         if b.ref_cnt > 0 or b.block_hash is not None or b.is_null:
             busy.add(b.block_id // page_blocks)
-    return -(-pool.num_gpu_blocks // page_blocks) - len(busy)
+    return int(-(-pool.num_gpu_blocks // page_blocks) - len(busy))
 
 
 def run(paged: bool, seed: int, steps: int, max_cached_blocks: int | None = None) -> list[int]:
@@ -216,14 +227,97 @@ def eviction_rows(seed: int, steps: int) -> None:
             r.close()
 
 
+# --- placement: which pages a run of blocks goes to -----------------------------------------------
+
+DECODE = HarnessConfig(max_num_seqs=128, max_num_batched_tokens=2048, num_gpu_blocks=4096, max_model_len=2048)
+
+
+def decode_run(placement: Placement, seed: int, load: int, drain: int, limit: int | None) -> dict[str, Any]:
+    """One engine under decode-shaped traffic: arrivals (one in three steps) for ``load`` steps,
+    then none for ``drain`` steps; ``limit`` pages from the end of the arrivals on, if given."""
+    state: dict[str, Any] = {}
+
+    def memory(num_blocks: int, block_bytes: int) -> torch.Tensor:
+        state["block_bytes"] = block_bytes
+        return torch.zeros((num_blocks, block_bytes), dtype=torch.uint8)
+
+    def built(scheduler: Any) -> None:
+        bb = state["block_bytes"]
+        g = KVGeometry(num_blocks=DECODE.num_gpu_blocks, block_bytes=bb, page_bytes=bb * PAGE_BLOCKS)
+        backend = state["backend"] = HostBackend(page_bytes=g.page_bytes)
+        engine = state["engine"] = assemble(scheduler, g, [backend], EngineConfig(max_cached_blocks=0))
+        assert engine.manager is not None
+        engine.manager.placement = placement
+
+    h = Harness(DECODE, kv_memory=memory, on_scheduler_built=built)
+    engine = state["engine"]
+    rng = random.Random(seed)
+    out: dict[str, Any] = {"footprint": [], "reached": load + drain, "preempted": 0, "tokens": 0}
+    try:
+        for i in range(load + drain):
+            if i < load and rng.random() < 1 / 3:
+                prompt = h.make_prompt(rng.randint(16, 300), seed=rng.randrange(10**6))
+                h.add_request(prompt=prompt, max_tokens=rng.randint(16, 600))
+            if i == load and limit is not None:
+                engine.set_limit_bytes(limit * engine.page_bytes)
+            rec = h.step()
+            if rec is not None:
+                out["preempted"] += len(rec.preempted_req_ids)
+                out["tokens"] += sum(rec.num_scheduled_tokens.values())
+            if i >= load:
+                mapped = engine.memory().mapped
+                out["footprint"].append(mapped)
+                if limit is not None and mapped <= limit and out["reached"] == load + drain:
+                    out["reached"] = i - load
+        return out
+    finally:
+        engine.close()
+        h.close()
+        state["backend"].close()
+
+
+def placement_rows(seeds: list[int], load: int, drain: int, limit: int) -> None:
+    names = {
+        Placement.WHOLE_PAGES: "whole pages, rest best fit",
+        Placement.BEST_FIT: "best fit (upstream #390; default)",
+        Placement.FULLEST: "fullest page",
+        Placement.LOWEST: "lowest page (before issue 30)",
+    }
+    total = -(-DECODE.num_gpu_blocks // PAGE_BLOCKS)
+    print(
+        f"\nplacement on decode-shaped traffic ({load} steps of arrivals, then {drain} without; seeds "
+        f"{','.join(map(str, seeds))}; {total} pages of {PAGE_BLOCKS} blocks, no prefix cache kept)"
+    )
+    print(f"{'':38}{'no limit':>21}{f'limit {limit} pages as the arrivals stop':>52}")
+    print(f"{'rule':38}{'mean':>10}{'end':>11}{'mean':>10}{'end':>8}{'steps to it':>14}{'preempted':>11}{'tokens':>9}")
+    for placement, name in names.items():
+        free = [decode_run(placement, s, load, drain, None) for s in seeds]
+        held = [decode_run(placement, s, load, drain, limit) for s in seeds]
+        reached = [r["reached"] for r in held]
+        print(
+            f"{name:38}{statistics.mean(statistics.mean(r['footprint']) for r in free):10.1f}"
+            f"{sum(r['footprint'][-1] for r in free):11d}"
+            f"{statistics.mean(statistics.mean(r['footprint']) for r in held):10.1f}"
+            f"{sum(r['footprint'][-1] for r in held):8d}"
+            f"{statistics.mean(reached):9.0f} ({sum(r < load + drain for r in reached)}/{len(seeds)})"
+            f"{sum(r['preempted'] for r in held):11d}{sum(r['tokens'] for r in held):9d}",
+            flush=True,
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--part", choices=("all", "empty", "eviction"), default="all")
+    ap.add_argument("--part", choices=("all", "empty", "eviction", "placement"), default="all")
+    ap.add_argument("--seeds", type=int, default=6, help="placement: seeds from --seed on")
     args = ap.parse_args()
     if args.part == "eviction":
         eviction_rows(args.seed, args.steps)
+        return 0
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    if args.part == "placement":
+        placement_rows(seeds, args.steps, 400, 80)
         return 0
     rows = {
         "vLLM's own pool": run(False, args.seed, args.steps),
@@ -237,6 +331,7 @@ def main() -> int:
         print(f"{name:36} mean {statistics.mean(c):6.1f}   median {statistics.median(c):5.0f}   min {min(c):4d}")
     if args.part == "all":
         eviction_rows(args.seed, args.steps)
+        placement_rows(seeds, args.steps, 400, 80)
     return 0
 
 
