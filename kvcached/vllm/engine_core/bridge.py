@@ -104,7 +104,14 @@ def _given(so: Any) -> list[_Given]:
 
 def _block_ids(spec: Any) -> tuple[int, ...]:
     ids = spec.block_ids
-    return tuple(int(b) for b in (ids.tolist() if hasattr(ids, "tolist") else ids))
+    if hasattr(ids, "tolist"):
+        listed = ids.tolist()
+        # vLLM's BlockIDsLoadStoreSpec keeps a numpy int32 array, whose tolist() gives Python
+        # ints already: no int() call per block (one a block on every job of every build).
+        if ids.dtype.kind in "iu":
+            return tuple(listed)
+        ids = listed
+    return tuple(int(b) for b in ids)
 
 
 class Bridge:
@@ -217,16 +224,19 @@ class Bridge:
         if len(waiting) > 1:
             order = {rid: i for i, rid in enumerate(so.num_scheduled_tokens)}
             waiting.sort(key=lambda g: order.get(g[0], 0))
-        fresh = self._fresh
+        fresh: set[Any] = self._fresh  # looked up by vLLM's own id objects (below)
         out: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
         for rid, groups in running + waiting:
             # vLLM caches a full block as soon as it is allocated, so a request scheduled later
             # in the same step may hold a block handed out fresh in it as a prefix hit: the
             # first request to hold it in scheduling order is the one its KV is written for.
-            new: list[int] = []
-            shared: list[int] = []
+            new: list[Any] = []
+            shared: list[Any] = []
             for group in groups:
-                for b in group:
+                # vLLM's block ids, kept as the objects they are: only looked up and stored
+                # (typed int, each would be unboxed and boxed again for every lookup).
+                ids: list[Any] = group
+                for b in ids:
                     if b in fresh:
                         fresh.discard(b)
                         new.append(b)
@@ -336,9 +346,7 @@ class Bridge:
         return ok
 
 
-def install_bridge(
-    scheduler: Any, recorder: Recorder, *, offloading: bool = True
-) -> Bridge:
+def install_bridge(scheduler: Any, recorder: Recorder, *, offloading: bool = True) -> Bridge:
     """Attach a bridge to ``scheduler.connector`` (kvcached's OffloadingConnector, scheduler role:
     it reports its scheduler-side calls to the bridge) and shadow the block pool's prefix-cache
     reset and ``get_new_blocks``, to feed ``recorder``.
