@@ -95,7 +95,9 @@ def test_engines_racing_never_take_the_budget_over_its_size(bdir: str) -> None:
         worst, got = map(int, out.split())
         results.append((worst, got))
     assert [w for w, _ in results] == [0, 0, 0, 0], f"the budget went over its size by {results} bytes"
-    assert all(got > 0 for _, got in results)  # each engine did allocate: the race was run
+    # The race was run: engines did allocate side by side. (Not every one need have: on a loaded
+    # machine a racer that starts late can find the others' leases holding the room at each call.)
+    assert sum(got > 0 for _, got in results) >= 2, results
     u = budget_usage("race", directory=bdir)
     assert u.used == 0 and u.size == size
 
