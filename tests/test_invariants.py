@@ -3,8 +3,8 @@
 ``PageAllocator`` keeps a page in exactly one of ``_free``, ``_reserved`` and ``_in_use``, with
 ``_goable`` within ``_reserved``; ``KVCacheManager`` keeps per-page counts and free lists whose
 sum ``_partial_free`` is what ``available_size`` and ``alloc`` trust. Random sequences of the
-public calls (alloc, take, free, emptying a page, build boundaries, limits, under both policies,
-with reserves and short last pages) must keep every one; the checker is shown to catch a
+public calls (alloc, take, free, emptying a page, build boundaries, limits, under both policies
+and every placement rule, with reserves and short last pages) must keep every one; the checker is shown to catch a
 planted break of each kind it looks for.
 """
 
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_available_size import manager, move
 
-from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.kv_cache_manager import KVCacheManager, Placement
 
 
 def broken(m: KVCacheManager) -> list[str]:
@@ -52,29 +52,48 @@ def broken(m: KVCacheManager) -> list[str]:
         out.append("manager: a page with free blocks missing from the partial heap")
     if m._partial_free != sum(len(f) for f in m._free_in.values()):
         out.append("manager: _partial_free is not the free lists' length")
+    counts = [0] * (m._bpp + 1)  # the buckets by free count that placement picks from
+    for page, f in m._free_in.items():
+        counts[len(f)] += 1
+        if page not in m._bucket[len(f)]:
+            out.append(f"manager: page {page} is missing from bucket {len(f)}")
+    if counts != m._in_bucket:
+        out.append(f"manager: bucket counts {m._in_bucket}, pages {counts}")
+    if m._nonempty != sum(1 << k for k, n in enumerate(counts) if n):
+        out.append("manager: the non-empty bits are not the buckets with pages")
+    if m._entries != sum(len(h) for h in m._bucket):
+        out.append("manager: _entries is not the heaps' length")
     return out
 
 
 OPS = st.lists(
     st.tuples(st.sampled_from(["alloc", "take", "free", "free-page", "build", "limit"]), st.integers(0, 10**6)),
-    max_size=30,
+    max_size=40,
 )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
+    placement=st.sampled_from(list(Placement)),
     per_page=st.sampled_from([1, 3, 8]),
-    pages=st.integers(1, 5),
+    pages=st.integers(1, 6),
     short=st.integers(0, 7),
     policy=st.sampled_from(["ledger", "legacy"]),
     reserve=st.tuples(st.integers(0, 2), st.integers(0, 3)),
     ops=OPS,
 )
 def test_the_fields_invariants_hold_after_any_moves(
-    per_page: int, pages: int, short: int, policy: str, reserve: tuple[int, int], ops: list[tuple[str, int]]
+    placement: Placement,
+    per_page: int,
+    pages: int,
+    short: int,
+    policy: str,
+    reserve: tuple[int, int],
+    ops: list[tuple[str, int]],
 ) -> None:
     num_blocks = pages * per_page + short % per_page
     m = manager(num_blocks, per_page, policy, min_reserved=min(reserve), max_reserved=max(reserve))
+    m.placement = placement
     held: list[int] = []
     build = 0
     try:
@@ -95,6 +114,7 @@ def test_the_fields_invariants_hold_after_any_moves(
         (lambda m: m._used.__setitem__(0, m._used[0] + 1), "per-page counts"),
         (lambda m: m._free_in[0].append(m._free_in[0][0]), "page 0's blocks"),
         (lambda m: m._partial.clear(), "missing from the partial heap"),
+        (lambda m: m._in_bucket.__setitem__(1, m._in_bucket[1] + 1), "bucket counts"),
     ],
 )
 def test_the_checker_catches_each_planted_break(plant, expected: str) -> None:  # type: ignore[no-untyped-def]
