@@ -42,7 +42,6 @@ from .ledger.files import kind
 from .settings import BUDGET_NAME
 
 NAME = BUDGET_NAME  # as KVCACHED_BUDGET takes it (settings.py)
-HEADROOM_MAX_AGE = 0.005  # seconds a headroom read is reused: vLLM asks for free blocks per request
 # Seconds a process waits for a budget's lock before refusing: a holder keeps it for a read and a
 # rename (microseconds), so a lock held this long means a stuck or stopped process.
 LOCK_WAIT = 10.0
@@ -320,7 +319,6 @@ class Budget:
         self.start = _start_time(self.pid) or 0
         self.tag = next(_tags)
         self.held = 0  # bytes this engine holds in the budget
-        self._headroom: tuple[float, int | None] | None = None
         self._closed = False
 
     @classmethod
@@ -351,7 +349,6 @@ class Budget:
             if new is not None and new is not state:
                 self._files.write(new)
                 state = new
-        self._headroom = None
         return state
 
     def _with_bytes(self, state: BudgetFile, delta: int) -> BudgetFile:
@@ -405,15 +402,11 @@ class Budget:
         """Bound the budget at ``nbytes`` (None: unbounded); what is in use stays mapped."""
         self._change(lambda s: msgspec.structs.replace(s, size=nbytes), reclaim=True)
 
-    def headroom(self, max_age: float = HEADROOM_MAX_AGE) -> int | None:
-        """Bytes the budget can still grant (None: unbounded), read at most ``max_age`` ago."""
-        now = time.monotonic()
-        cached = self._headroom
-        if cached is not None and now - cached[0] <= max_age:
-            return cached[1]
-        u = self.usage()
-        self._headroom = (now, u.headroom)
-        return u.headroom
+    def headroom(self) -> int | None:
+        """Bytes the budget can still grant (None: unbounded), read now. Only what an engine's
+        state says reads it (a count leases instead: ``kvcached.page_allocator``), so it is not
+        cached as it was when every free-block count read it."""
+        return self.usage().headroom
 
     def usage(self) -> BudgetUsage:
         return _usage(self.name, self._files)

@@ -93,7 +93,7 @@ def test_two_processes_share_a_budget(bdir) -> None:
         assert other.ask(f"take {6 * MiB}") == "True"
         assert not me.try_acquire(6 * MiB)  # 6 of 10 taken
         assert me.try_acquire(4 * MiB)
-        assert me.headroom(max_age=0) == 0
+        assert me.headroom() == 0
         assert other.ask(f"give {4 * MiB}") == "ok"
         assert me.try_acquire(4 * MiB)  # what one gave back, the other maps
         u = budget_usage("gpu0", directory=bdir)
