@@ -232,6 +232,7 @@ OTHER_NAMES: Final = frozenset(
         "KVCACHED_WRITE_FIXTURE",
         "KVCACHED_SERVE_PORT",  # set by the plugin in vllm serve's API server for its engine cores
         "KVCACHED_SERVE_PID",  # likewise: the API server's pid, which its /metrics matches engines by
+        "KVCACHED_SERVE_DP_SIZE",  # likewise: --data-parallel-size, which an engine core's config forgets
     }
 )
 

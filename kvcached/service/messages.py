@@ -117,6 +117,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's engine index (its data-parallel rank, as ``PrometheusStatLogger`` labels its own series
     # ``engine``): the metrics' ``engine`` label, so that kvcached's series join vLLM's.
     index: int = 0
+    data_parallel: int = 1  # --data-parallel-size: engines > 1 are ranks of one server (kvctl list says which)
     backend: str = ""  # the memory backend: cuda or host
     page_size: int = 0  # bytes of one page of one layer (KVCACHED_PAGE_SIZE_MB)
     compiled: bool = False  # the hot path runs mypyc-compiled

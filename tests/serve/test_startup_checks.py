@@ -89,16 +89,29 @@ def test_a_kv_cache_larger_than_dev_shm_is_refused(model: str) -> None:
     ("field", "value", "needle"),
     [
         ("pipeline_parallel_size", 2, "--pipeline-parallel-size is 2: set it to 1"),
-        ("data_parallel_size", 2, "--data-parallel-size is 2: set it to 1"),
         ("nnodes", 2, "--nnodes is more than 1"),
     ],
 )
-def test_pipeline_data_parallel_and_nodes_are_refused(model: str, field: str, value: int, needle: str) -> None:
+def test_pipeline_parallel_and_nodes_are_refused(model: str, field: str, value: int, needle: str) -> None:
     cfg = _config(model)
     setattr(cfg.parallel_config, field, value)
     with pytest.raises(ConfigError, match=needle) as e:
         checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
     assert "\n" not in str(e.value)
+
+
+def test_data_parallel_passes_and_its_ranks_count_for_dev_shm(model: str) -> None:
+    import os
+
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    cfg = _config(model)
+    on = Settings.from_env({"ENABLE_KVCACHED": "1"})
+    cfg.parallel_config.data_parallel_size = cfg.parallel_config.data_parallel_size_local = 2
+    checks.check_config(cfg, on, version="0.32.0", on_cpu=True)  # each rank an engine of its own
+    cfg.cache_config.kv_cache_memory_bytes = free // 2 + (64 << 20)  # fits once, not once per rank
+    with pytest.raises(ConfigError, match="/dev/shm has"):
+        checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
 
 
 def test_dev_shm_room_counts_every_rank(model: str) -> None:

@@ -96,6 +96,8 @@ def _cells(f: Found) -> tuple[str, ...]:
         return ("-", "-", "-", "-", "-", "-", "dead", f.socket)
     e, m = s.engine, s.memory
     model = e.model if e is not None else "?"
+    if e is not None and e.data_parallel > 1:  # one server's ranks share its model and port
+        model += f" [dp {e.index}/{e.data_parallel}]"
     port = str(e.port) if e is not None and e.port is not None else "-"
     mem = "-" if m is None else format_size(m.mapped_bytes)
     limit = "-" if m is None else render.limit_text(m)

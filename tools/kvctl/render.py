@@ -126,7 +126,8 @@ def status_rows(s: messages.StatusReply) -> list[tuple[str, str]]:
     e = s.engine
     if e is not None:
         port = f", port {e.port}" if e.port is not None else ""
-        rows.append(("engine", f"{e.model}, pid {e.pid}{port}, vLLM {e.vllm}, kvcached {e.kvcached}"))
+        rank = f", data-parallel rank {e.index} of {e.data_parallel}" if e.data_parallel > 1 else ""
+        rows.append(("engine", f"{e.model}, pid {e.pid}{port}{rank}, vLLM {e.vllm}, kvcached {e.kvcached}"))
     m = s.memory
     if m is not None:
         rows.append(("memory", memory_line(m)))

@@ -9,9 +9,10 @@ the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
 ``OffloadingConnector`` as the only one; tensor parallelism of any size on one machine (each
 rank's KV memory lives in its worker, which applies the scheduler's page decisions carried by
 each step: ``step_channel``), run by vLLM's multiprocessing, uniprocess or Ray executor, on the
-CPU build and on GPUs alike; pipeline and data parallel sizes of 1 (a pipeline stage's worker holds
-other layers, so its pages need not be where rank 0's are; data parallel engines are separate
-schedulers); the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
+CPU build and on GPUs alike; data parallelism of any size on one node (each rank is an engine core
+of its own, with its own kvcached engine and files: ``engine_core.control.rank_path``); a pipeline
+parallel size of 1 (a stage's worker holds other layers, so its pages need not be where rank 0's
+are); the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
 block that does not divide a page, an interleaved layout) can only run once vLLM has sized the
 cache; they live in ``kv_layout.plan`` and fail the worker with the same kind of line.
 """
@@ -53,15 +54,11 @@ def check_config(
         log.warning("[kvcached] %s", warning)
     check_vllm_version(version)
     par = vllm_config.parallel_config
-    sizes = {
-        "--pipeline-parallel-size": int(par.pipeline_parallel_size),
-        "--data-parallel-size": int(par.data_parallel_size),
-    }
-    for flag, n in sizes.items():
-        if n != 1:
-            raise ConfigError(
-                f"kvcached serves tensor parallelism only; {flag} is {n}: set it to 1 or disable kvcached"
-            )
+    if int(par.pipeline_parallel_size) != 1:
+        raise ConfigError(
+            f"kvcached serves tensor and data parallelism; --pipeline-parallel-size is {par.pipeline_parallel_size}: "
+            "set it to 1 or disable kvcached"
+        )
     if int(getattr(par, "nnodes", 1) or 1) > 1:
         raise ConfigError("kvcached serves one machine; --nnodes is more than 1: run on one node or disable kvcached")
     tp = int(par.tensor_parallel_size)
@@ -84,7 +81,9 @@ def check_config(
         if kv_bytes:
             from ..worker.kv_memory import check_shm_room
 
-            check_shm_room(int(kv_bytes) * tp)  # one range per tensor-parallel rank
+            # One range per tensor-parallel rank of each data-parallel engine on this node.
+            local_dp = int(getattr(par, "data_parallel_size_local", None) or par.data_parallel_size or 1)
+            check_shm_room(int(kv_bytes) * tp * local_dp)
     if settings.backend == "cuda" and (on_cpu or not cuda_visible()):
         raise ConfigError(
             "kvcached: KVCACHED_BACKEND=cuda needs a CUDA GPU and none is visible; "

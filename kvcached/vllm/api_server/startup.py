@@ -23,6 +23,9 @@ from ...settings import Settings
 from .. import patches
 from . import checks
 
+# vllm serve's --data-parallel-size, for its engine cores (``engine_core.control.data_parallel_size``).
+DP_SIZE_ENV = "KVCACHED_SERVE_DP_SIZE"
+
 
 def refuse(message: str) -> Any:
     """End the process with one line on stderr (SystemExit prints its message; a log line as
@@ -49,6 +52,9 @@ def wrap_create_engine_config(original: Callable[..., Any], settings: Settings) 
         except ConfigError as e:
             refuse(str(e))
         name_connector(config.kv_transfer_config)
+        # A non-MoE data-parallel rank's engine core forgets the size (vLLM's run_engine_core calls
+        # ParallelConfig.reconfigure_for_independent_dp_rank): each engine core inherits it here.
+        os.environ[DP_SIZE_ENV] = str(int(config.parallel_config.data_parallel_size or 1))
         if getattr(self, "_api_process_rank", 0) == -1:
             # vllm serve --api-server-count N's manager (cli/serve.py's run_multi_api_server sets
             # rank -1): it serves no /metrics; the API servers it spawns each install their own.

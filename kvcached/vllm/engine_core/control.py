@@ -21,6 +21,7 @@ import msgspec
 from ...errors import LimitRefusedError
 from ...service.messages import BudgetStatus, EngineInfo, MemoryStatus
 from ...settings import format_size
+from ..api_server.startup import DP_SIZE_ENV
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -132,6 +133,33 @@ def engine_index(scheduler: Any) -> int:
     return 0
 
 
+def data_parallel_size(scheduler: Any) -> int:
+    """How many engine cores serve this model side by side (``--data-parallel-size``): each is a
+    scheduler of its own with its own kvcached engine, so each needs files of its own. A MoE
+    model's ranks keep the size in their config; a dense model's forget it (vLLM's
+    ``run_engine_core`` calls ``ParallelConfig.reconfigure_for_independent_dp_rank``), and read
+    what the API server's startup patch left them in the environment."""
+    parallel = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
+    size = getattr(parallel, "data_parallel_size", 1)
+    if isinstance(size, int) and size > 1:
+        return size
+    inherited = os.environ.get(DP_SIZE_ENV, "")
+    return int(inherited) if inherited.isdigit() and int(inherited) > 1 else 1
+
+
+def rank_path(path: str, index: int, size: int) -> str:
+    """``path`` for data-parallel rank ``index`` of ``size``: itself for one rank, else
+    ``P.dp<index>`` (``ledger-1.dp1.sock`` for a socket, which ``kvctl`` finds by its suffix).
+    Two ranks given one ``KVCACHED_LEDGER_JOURNAL`` would otherwise write one file (the second
+    refused by the segment lock, ``journal_files.lock``) and one socket (the second unreachable)."""
+    if size <= 1:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    if dot and ext == "sock":
+        return f"{stem}.dp{index}.sock"
+    return f"{path}.dp{index}"
+
+
 def engine_info(
     scheduler: Any, *, socket: str, policy: str, versions: dict[str, str], budget: str | None,
     backend: str = "", page_size: int = 0, compiled: bool = False,
@@ -147,5 +175,6 @@ def engine_info(
         model=model, pid=os.getpid(), api_pid=int(api) if api and api.isdigit() else None,
         port=int(port) if port and port.isdigit() else None, socket=socket, started_unix=time.time(),
         policy=policy, vllm=versions.get("vllm", "?"), kvcached=versions.get("kvcached", "?"), budget=budget,
-        index=engine_index(scheduler), backend=backend, page_size=page_size, compiled=compiled,
+        index=engine_index(scheduler), data_parallel=data_parallel_size(scheduler), backend=backend,
+        page_size=page_size, compiled=compiled,
     )

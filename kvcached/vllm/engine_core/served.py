@@ -34,15 +34,17 @@ from .engine import Engine, EngineConfig, assemble
 log = logging.getLogger("vllm.kvcached")
 
 
-def service_config(settings: Settings, socket: str) -> ServiceConfig:
+def service_config(settings: Settings, socket: str, journal: str | None = None) -> ServiceConfig:
     """The ledger service of a served engine (the bridge benchmark measures the same one). The
     journal, if any, is written by the service's thread, off the scheduler's path, within
     ``flush_interval`` of each event: vLLM kills the engine core at shutdown without calling the
-    scheduler's shutdown, so nothing may wait for a final flush."""
+    scheduler's shutdown, so nothing may wait for a final flush. ``journal``: this engine's own
+    path where it differs from the setting's (a data-parallel rank's, ``control.rank_path``)."""
+    journal = journal or settings.journal
     return ServiceConfig(
-        journal=settings.journal,
+        journal=journal,
         replica=True,
-        snapshot_every=1_000_000 if settings.journal else 0,
+        snapshot_every=1_000_000 if journal else 0,
         flush_interval=0.005,
         socket=socket,
         flight_events=settings.flight_recorder_events,
@@ -66,13 +68,17 @@ def build(scheduler: Any, settings: Settings) -> Engine:
     # The workers own the KV memory; the scheduler's decisions reach them with each step.
     backends, page_log = step_sender.decision_backends(scheduler, plan, kind=kind)
     geometry = plan.geometry
-    socket = default_socket_path()
+    # Each data-parallel rank is an engine core of its own (vLLM's EngineCoreProc per rank): its
+    # own journal and socket; the flight recorder's dumps and the budget's shares go by pid.
+    index, ranks = control.engine_index(scheduler), control.data_parallel_size(scheduler)
+    socket = control.rank_path(default_socket_path(), index, ranks)
+    journal = control.rank_path(settings.journal, index, ranks) if settings.journal else None
     config = EngineConfig(
         policy=settings.policy,
         min_reserved_pages=settings.min_reserved_pages,
         max_reserved_pages=settings.max_reserved_pages,
         max_cached_blocks=settings.max_cached_blocks(int(scheduler.cache_config.block_size)),
-        journal_service=service_config(settings, socket),
+        journal_service=service_config(settings, socket, journal),
         max_reserved_bytes=settings.max_reserved_bytes,
         budget=settings.budget,
         budget_bytes=settings.budget_bytes,
@@ -104,7 +110,7 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         mib(geometry.page_bytes),
         " (chosen for the block)" if page.chosen else "",
         settings.policy.value,
-        settings.journal or "off",
+        journal or "off",
         "on" if engine.offloading else "off",
         socket,
         flight,

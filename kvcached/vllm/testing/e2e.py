@@ -253,11 +253,16 @@ class Server:
 
     # --- client -------------------------------------------------------------------------------
 
-    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300.0) -> tuple[int, Any]:
+    def post(
+        self, path: str, body: dict[str, Any] | None = None, timeout: float = 300.0, *, rank: int | None = None
+    ) -> tuple[int, Any]:
+        """POST ``body``; ``rank``: to that data-parallel engine (vLLM's ``X-data-parallel-rank``
+        header, read by its OpenAI serving layer's ``_get_data_parallel_rank``)."""
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
-        )
+        headers = {"Content-Type": "application/json"}
+        if rank is not None:
+            headers["X-data-parallel-rank"] = str(rank)
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw = r.read()
@@ -265,7 +270,7 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, {"error": e.read().decode("utf-8", "replace")}
 
-    def complete(self, prompt: str, max_tokens: int, *, logprobs: int = 5) -> Completion:
+    def complete(self, prompt: str, max_tokens: int, *, logprobs: int = 5, rank: int | None = None) -> Completion:
         t0 = time.perf_counter()
         status, body = self.post(
             "/v1/completions",
@@ -277,6 +282,7 @@ class Server:
                 "logprobs": logprobs,
                 "ignore_eos": True,
             },
+            rank=rank,
         )
         seconds = time.perf_counter() - t0
         if status != 200:
