@@ -259,6 +259,19 @@ RELIED_ON: Final = (
         attrs=("remove", "prepend_n", "popleft_n", "num_free_blocks"), how=How.READ, when=When.ENGINE_BUILD,
         why="the page-aware pool moves its choice to the queue's head before vLLM pops it",
     ),
+    # Read with a fallback (``getattr``): a vLLM without them is not refused, only slower.
+    Patch(
+        name="free queue head", process="engine core", module="vllm.v1.core.kv_cache_utils",
+        owner="FreeKVCacheBlockQueue", attrs=("fake_free_list_head",), how=How.READ, when=When.ENGINE_BUILD,
+        optional=True,
+        why="pool_seam._at_head walks the queue from its sentinel head to skip moving blocks already at "
+        "its head; without it they are moved (vLLM 0.32 and 0.33, vllm/v1/core/kv_cache_utils.py)",
+    ),
+    Patch(
+        name="free queue links", process="engine core", module="vllm.v1.core.kv_cache_utils",
+        owner="KVCacheBlock", attrs=("next_free_block",), how=How.READ, when=When.ENGINE_BUILD, optional=True,
+        why="the walk's next link, KVCacheBlock's slot (vLLM 0.32 and 0.33, vllm/v1/core/kv_cache_utils.py)",
+    ),
 )
 
 

@@ -103,11 +103,17 @@ def test_every_target_of_the_patch_table_is_in_this_vllm() -> None:
         for attr, target in zip(p.attrs, p.targets(), strict=True):
             assert hasattr(owner, attr), f"vLLM {vllm.__version__} has no {target} ({p.name})"
         assert vllm.__version__ in p.versions, f"{p.name} is not declared for vLLM {vllm.__version__}"
-    # What is only read is partly instance state: looked for on a real pool and its queue.
+    # What is only read is partly instance state: looked for on a real pool, its queue and a block.
+    # The optional names (read with a fallback, not refused where missing) are on 0.32 and 0.33 too.
     live = pool()
-    patches.check_object(live, patches.by_name("pool seam"))
-    patches.check_object(live.free_block_queue, patches.by_name("free queue seam"))
-    assert type(live.free_block_queue).__module__ == patches.by_name("free queue seam").module
+    q = live.free_block_queue
+    objects = {"BlockPool": live, "FreeKVCacheBlockQueue": q, "KVCacheBlock": q.fake_free_list_head}
+    for p in patches.RELIED_ON:
+        assert p.owner is not None, p.name
+        obj = objects[p.owner]
+        patches.check_object(obj, p)
+        assert (type(obj).__module__, type(obj).__name__) == (p.module, p.owner), p.name
+        assert vllm.__version__ in p.versions, f"{p.name} is not declared for vLLM {vllm.__version__}"
 
 
 def _eager(p: patches.Patch) -> patches.Patch:
