@@ -89,14 +89,23 @@ def test_a_kv_cache_larger_than_dev_shm_is_refused(model: str) -> None:
     ("field", "value", "needle"),
     [
         ("pipeline_parallel_size", 2, "--pipeline-parallel-size is 2: set it to 1"),
-        ("nnodes", 2, "--nnodes is more than 1"),
     ],
 )
-def test_pipeline_parallel_and_nodes_are_refused(model: str, field: str, value: int, needle: str) -> None:
+def test_pipeline_parallel_is_refused(model: str, field: str, value: int, needle: str) -> None:
     cfg = _config(model)
     setattr(cfg.parallel_config, field, value)
     with pytest.raises(ConfigError, match=needle) as e:
         checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
+    assert "\n" not in str(e.value)
+
+
+def test_several_nodes_pass_without_a_budget_only(model: str) -> None:
+    cfg = _config(model)
+    cfg.parallel_config.tensor_parallel_size, cfg.parallel_config.nnodes = 2, 2
+    checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
+    budget = Settings.from_env({"ENABLE_KVCACHED": "1", "KVCACHED_BUDGET": "b"})
+    with pytest.raises(ConfigError, match=r"a budget is per node and --nnodes is 2.*--data-parallel-size") as e:
+        checks.check_config(cfg, budget, version="0.32.0", on_cpu=True)
     assert "\n" not in str(e.value)
 
 

@@ -6,13 +6,15 @@ worker's traceback. There too, as vLLM's ``validate_environ`` does for unknown `
 variables, each ``KVCACHED_*`` variable kvcached does not read gets one warning line: a
 misspelt setting would otherwise go unnoticed, its default in force. What they accept is what
 the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
-``OffloadingConnector`` as the only one; tensor parallelism of any size on one machine (each
-rank's KV memory lives in its worker, which applies the scheduler's page decisions carried by
-each step: ``step_channel``), run by vLLM's multiprocessing, uniprocess or Ray executor, on the
-CPU build and on GPUs alike; data parallelism of any size on one node (each rank is an engine core
-of its own, with its own kvcached engine and files: ``engine_core.control.rank_path``); a pipeline
-parallel size of 1 (a stage's worker holds other layers, so its pages need not be where rank 0's
-are); the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
+``OffloadingConnector`` as the only one; tensor parallelism of any size (each rank's KV memory
+lives in its worker, which applies the scheduler's page decisions carried by each step:
+``step_channel``), run by vLLM's multiprocessing, uniprocess or Ray executor, on the CPU build and
+on GPUs alike; data parallelism of any size (each rank is an engine core of its own, with its own
+kvcached engine and files: ``engine_core.control.rank_path``); several nodes through vLLM's own
+launch (``--nnodes`` with ``--headless`` workers, or data-parallel ranks on other nodes), a budget
+only where an engine's workers are on one node; a pipeline parallel size of 1 (a stage's worker
+holds other layers, so its pages need not be where rank 0's are); the CUDA backend only where a
+GPU is visible. Checks that need the KV cache layout (a
 block that does not divide a page, an interleaved layout) can only run once vLLM has sized the
 cache; they live in ``kv_layout.plan`` and fail the worker with the same kind of line.
 """
@@ -59,8 +61,14 @@ def check_config(
             f"kvcached serves tensor and data parallelism; --pipeline-parallel-size is {par.pipeline_parallel_size}: "
             "set it to 1 or disable kvcached"
         )
-    if int(getattr(par, "nnodes", 1) or 1) > 1:
-        raise ConfigError("kvcached serves one machine; --nnodes is more than 1: run on one node or disable kvcached")
+    nnodes = int(getattr(par, "nnodes", 1) or 1)
+    if nnodes > 1 and settings.budget is not None:
+        # A budget is a file on one node; the engine core that leases from it is on the first
+        # node, and the workers on the others have no engine there to lease from theirs.
+        raise ConfigError(
+            f"kvcached: a budget is per node and --nnodes is {nnodes} (one engine's workers on several nodes): "
+            "unset KVCACHED_BUDGET, or spread engines over nodes with --data-parallel-size"
+        )
     tp = int(par.tensor_parallel_size)
     executor = par.distributed_executor_backend
     if executor is not None and executor not in SUPPORTED_EXECUTORS:
@@ -81,9 +89,10 @@ def check_config(
         if kv_bytes:
             from ..worker.kv_memory import check_shm_room
 
-            # One range per tensor-parallel rank of each data-parallel engine on this node.
+            # One range per worker of each data-parallel engine on this node (--nnodes spreads
+            # one engine's tensor-parallel workers over the nodes evenly).
             local_dp = int(getattr(par, "data_parallel_size_local", None) or par.data_parallel_size or 1)
-            check_shm_room(int(kv_bytes) * tp * local_dp)
+            check_shm_room(int(kv_bytes) * max(1, tp // nnodes) * local_dp)
     if settings.backend == "cuda" and (on_cpu or not cuda_visible()):
         raise ConfigError(
             "kvcached: KVCACHED_BACKEND=cuda needs a CUDA GPU and none is visible; "
