@@ -85,17 +85,21 @@ def test_a_kv_cache_larger_than_dev_shm_is_refused(model: str) -> None:
         checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "needle"),
-    [
-        ("pipeline_parallel_size", 2, "--pipeline-parallel-size is 2: set it to 1"),
-    ],
-)
-def test_pipeline_parallel_is_refused(model: str, field: str, value: int, needle: str) -> None:
-    cfg = _config(model)
-    setattr(cfg.parallel_config, field, value)
-    with pytest.raises(ConfigError, match=needle) as e:
-        checks.check_config(cfg, Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.32.0", on_cpu=True)
+def test_pipeline_stages_pass_when_equal_and_compiled_on_cpu(model: str) -> None:
+    from vllm.config import CompilationMode
+
+    on = Settings.from_env({"ENABLE_KVCACHED": "1"})
+    cfg = _config(model)  # the tiny llama's 8 layers: 4 and 4 at PP=2, 3/3/2 at PP=3
+    cfg.parallel_config.pipeline_parallel_size = 2
+    checks.check_config(cfg, on, version="0.33.0", on_cpu=False)  # a GPU needs no compilation for it
+    with pytest.raises(ConfigError, match="drop --enforce-eager") as e:  # _config is eager
+        checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
+    assert "\n" not in str(e.value)
+    cfg.compilation_config.mode = CompilationMode.STOCK_TORCH_COMPILE
+    checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
+    cfg.parallel_config.pipeline_parallel_size = 3
+    with pytest.raises(ConfigError, match="8 layers over 3 stages are 3/3/2: use a --pipeline-parallel-size") as e:
+        checks.check_config(cfg, on, version="0.32.0", on_cpu=True)
     assert "\n" not in str(e.value)
 
 

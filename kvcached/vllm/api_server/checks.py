@@ -12,9 +12,8 @@ lives in its worker, which applies the scheduler's page decisions carried by eac
 on GPUs alike; data parallelism of any size (each rank is an engine core of its own, with its own
 kvcached engine and files: ``engine_core.control.rank_path``); several nodes through vLLM's own
 launch (``--nnodes`` with ``--headless`` workers, or data-parallel ranks on other nodes), a budget
-only where an engine's workers are on one node; a pipeline parallel size of 1 (a stage's worker
-holds other layers, so its pages need not be where rank 0's are); the CUDA backend only where a
-GPU is visible. Checks that need the KV cache layout (a
+only where an engine's workers are on one node; pipeline stages of equal layers (``_check_pipeline``);
+the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
 block that does not divide a page, an interleaved layout) can only run once vLLM has sized the
 cache; they live in ``kv_layout.plan`` and fail the worker with the same kind of line.
 """
@@ -56,11 +55,8 @@ def check_config(
         log.warning("[kvcached] %s", warning)
     check_vllm_version(version)
     par = vllm_config.parallel_config
-    if int(par.pipeline_parallel_size) != 1:
-        raise ConfigError(
-            f"kvcached serves tensor and data parallelism; --pipeline-parallel-size is {par.pipeline_parallel_size}: "
-            "set it to 1 or disable kvcached"
-        )
+    if int(par.pipeline_parallel_size) > 1:
+        _check_pipeline(vllm_config, on_cpu=on_cpu)
     nnodes = int(getattr(par, "nnodes", 1) or 1)
     if nnodes > 1 and settings.budget is not None:
         # A budget is a file on one node; the engine core that leases from it is on the first
@@ -100,6 +96,34 @@ def check_config(
         )
     if settings.backend == "host" and not on_cpu:
         raise ConfigError("kvcached: KVCACHED_BACKEND=host serves vLLM's CPU build only; use cuda or auto on GPUs")
+
+
+def _check_pipeline(vllm_config: Any, *, on_cpu: bool) -> None:
+    """Pipeline stages: each stage's workers map the pages the scheduler decides for their own
+    layers (every worker gets each ``SchedulerOutput``), and a page costs one stage's layers on
+    every worker (``step_sender.decision_backends``), which is exact when the stages hold equal
+    numbers of layers: so they must. On vLLM's CPU build a stage after the first needs the
+    warm-up that allocates its intermediate tensors (``GPUModelRunner._dummy_run``), which the
+    CPU worker skips without compilation (``CPUModelRunner.warming_up_model``); it then asserts
+    in ``sync_and_gather_intermediate_tensors`` at the first request, natively too."""
+    from vllm.distributed.utils import get_pp_indices
+
+    stages = int(vllm_config.parallel_config.pipeline_parallel_size)
+    layers = int(vllm_config.model_config.get_total_num_hidden_layers())
+    sizes = [hi - lo for lo, hi in (get_pp_indices(layers, r, stages) for r in range(stages))]
+    if len(set(sizes)) > 1:
+        raise ConfigError(
+            f"kvcached needs pipeline stages of equal layers; {layers} layers over {stages} stages are "
+            f"{'/'.join(map(str, sizes))}: use a --pipeline-parallel-size that divides {layers}, "
+            "or set VLLM_PP_LAYER_PARTITION to equal parts"
+        )
+    mode = getattr(vllm_config.compilation_config, "mode", None)
+    if on_cpu and int(getattr(mode, "value", mode) or 0) == 0:
+        raise ConfigError(
+            "vLLM's CPU build serves --pipeline-parallel-size > 1 only with compilation (its later stages "
+            "skip the warm-up that allocates their inputs, then fail at the first request): drop --enforce-eager, "
+            """or add --compilation-config '{"mode": 1, "backend": "eager"}'"""
+        )
 
 
 def _check_connector(ktc: Any, *, on_cpu: bool) -> None:

@@ -52,6 +52,9 @@ class ServerConfig:
     # ``vllm serve``'s own entry (vllm.entrypoints.cli.main) instead of the api_server module's:
     # only it runs several API servers (``--api-server-count``, cli/serve.py's run_multi_api_server).
     serve_cli: bool = False
+    # --enforce-eager (no torch.compile: a fast start); off where vLLM's CPU build needs its
+    # compiled warm-up (pipeline stages, api_server.checks._check_pipeline).
+    enforce_eager: bool = True
 
 
 # ``vllm serve`` as the ``vllm`` command runs it (vllm.entrypoints.cli.main:main), its serve part
@@ -106,7 +109,7 @@ class Server:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--enforce-eager",
+            *(["--enforce-eager"] if c.enforce_eager else []),
             "--dtype",
             "bfloat16",
             "--max-model-len",
