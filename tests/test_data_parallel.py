@@ -9,7 +9,7 @@ import pytest
 
 from kvcached.service.messages import EngineInfo, HandoffStatus, JournalStatus, StatusReply
 from kvcached.vllm.api_server.startup import DP_SIZE_ENV
-from kvcached.vllm.engine_core import control
+from kvcached.vllm.engine_core import ranks
 from tools.kvctl import engines, render
 
 
@@ -23,24 +23,24 @@ def scheduler(*, index: int | None, size: int) -> SimpleNamespace:
 
 
 def test_rank_paths_differ_per_rank_and_keep_one_rank_s_name() -> None:
-    assert control.rank_path("/j/run.kvj", 0, 1) == "/j/run.kvj"
-    names = {control.rank_path("/j/run.kvj", r, 3) for r in range(3)}
+    assert ranks.rank_path("/j/run.kvj", 0, 1) == "/j/run.kvj"
+    names = {ranks.rank_path("/j/run.kvj", r, 3) for r in range(3)}
     assert names == {"/j/run.kvj.dp0", "/j/run.kvj.dp1", "/j/run.kvj.dp2"}
     # A socket keeps its suffix: kvctl and the metrics collector find sockets by it.
-    assert control.rank_path("/r/ledger-7.sock", 1, 2) == "/r/ledger-7.dp1.sock"
+    assert ranks.rank_path("/r/ledger-7.sock", 1, 2) == "/r/ledger-7.dp1.sock"
 
 
 def test_the_size_comes_from_the_config_or_from_the_api_server(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DP_SIZE_ENV, raising=False)
     dense = scheduler(index=1, size=1)
-    assert (control.engine_index(dense), control.data_parallel_size(dense)) == (1, 1)
+    assert (ranks.engine_index(dense), ranks.data_parallel_size(dense)) == (1, 1)
     monkeypatch.setenv(DP_SIZE_ENV, "2")  # what startup's create_engine_config left for the engine cores
-    assert control.data_parallel_size(dense) == 2
+    assert ranks.data_parallel_size(dense) == 2
     moe = scheduler(index=3, size=4)  # a MoE model's ranks keep the size
-    assert (control.engine_index(moe), control.data_parallel_size(moe)) == (3, 4)
+    assert (ranks.engine_index(moe), ranks.data_parallel_size(moe)) == (3, 4)
     for junk in ("", "x", "-2", "1"):
         monkeypatch.setenv(DP_SIZE_ENV, junk)
-        assert control.data_parallel_size(dense) == 1
+        assert ranks.data_parallel_size(dense) == 1
 
 
 def _found(index: int, size: int) -> engines.Found:

@@ -4,7 +4,7 @@ vLLM runs a dense model's data-parallel ranks as independent engine cores (``run
 ``EngineCoreProc`` with ``engine_index=dp_rank``, its config reset to one rank by
 ``ParallelConfig.reconfigure_for_independent_dp_rank``), each with its own scheduler, workers and KV
 cache. So each rank gets its own kvcached engine and its own files: the journal
-``P.dp<rank>`` (``control.rank_path``; one shared file would be refused by the segment lock and
+``P.dp<rank>`` (``ranks.rank_path``; one shared file would be refused by the segment lock and
 lose a rank's events), its ``kvctl`` socket, its flight recorder, its share of a budget and its
 ``engine`` label on ``/metrics`` (vLLM's own, so that kvcached's series join vLLM's per rank).
 

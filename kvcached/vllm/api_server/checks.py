@@ -10,7 +10,7 @@ the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
 lives in its worker, which applies the scheduler's page decisions carried by each step:
 ``step_channel``), run by vLLM's multiprocessing, uniprocess or Ray executor, on the CPU build and
 on GPUs alike; data parallelism of any size (each rank is an engine core of its own, with its own
-kvcached engine and files: ``engine_core.control.rank_path``); several nodes through vLLM's own
+kvcached engine and files: ``engine_core.ranks.rank_path``); several nodes through vLLM's own
 launch (``--nnodes`` with ``--headless`` workers, or data-parallel ranks on other nodes), a budget
 only where an engine's workers are on one node; pipeline stages of equal layers (``_check_pipeline``);
 the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a

@@ -21,7 +21,7 @@ import msgspec
 from ...errors import LimitRefusedError
 from ...service.messages import BudgetStatus, EngineInfo, MemoryStatus
 from ...settings import format_size
-from ..api_server.startup import DP_SIZE_ENV
+from .ranks import data_parallel_size, engine_index
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -117,47 +117,6 @@ def request_floor(scheduler: Any, blocks_per_page: int, page_cost: int, min_byte
     if extra > pages:
         pages, why = extra, f"KVCACHED_MIN_KV_CACHE_MB is {min_bytes / (1 << 20):g}" + (f"; {why}" if why else "")
     return pages, why
-
-
-def engine_index(scheduler: Any) -> int:
-    """vLLM's index of this engine core: its data-parallel rank. ``EngineCoreProc`` gets it as
-    ``engine_index`` and ``run_engine_core`` stores it as ``parallel_config.data_parallel_index``
-    before building the engine (vLLM 0.32+; ``data_parallel_rank`` is reset to 0 for a non-MoE
-    model's independent ranks), and the API server's ``PrometheusStatLogger`` labels that engine's
-    series ``engine=str(index)``."""
-    parallel = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
-    for name in ("data_parallel_index", "data_parallel_rank"):
-        value = getattr(parallel, name, None)
-        if isinstance(value, int) and value >= 0:
-            return value
-    return 0
-
-
-def data_parallel_size(scheduler: Any) -> int:
-    """How many engine cores serve this model side by side (``--data-parallel-size``): each is a
-    scheduler of its own with its own kvcached engine, so each needs files of its own. A MoE
-    model's ranks keep the size in their config; a dense model's forget it (vLLM's
-    ``run_engine_core`` calls ``ParallelConfig.reconfigure_for_independent_dp_rank``), and read
-    what the API server's startup patch left them in the environment."""
-    parallel = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
-    size = getattr(parallel, "data_parallel_size", 1)
-    if isinstance(size, int) and size > 1:
-        return size
-    inherited = os.environ.get(DP_SIZE_ENV, "")
-    return int(inherited) if inherited.isdigit() and int(inherited) > 1 else 1
-
-
-def rank_path(path: str, index: int, size: int) -> str:
-    """``path`` for data-parallel rank ``index`` of ``size``: itself for one rank, else
-    ``P.dp<index>`` (``ledger-1.dp1.sock`` for a socket, which ``kvctl`` finds by its suffix).
-    Two ranks given one ``KVCACHED_LEDGER_JOURNAL`` would otherwise write one file (the second
-    refused by the segment lock, ``journal_files.lock``) and one socket (the second unreachable)."""
-    if size <= 1:
-        return path
-    stem, dot, ext = path.rpartition(".")
-    if dot and ext == "sock":
-        return f"{stem}.dp{index}.sock"
-    return f"{path}.dp{index}"
 
 
 def engine_info(

@@ -49,7 +49,7 @@ from .. import patches
 from . import scheduler_calls
 from .block_pool import PageAwarePool, install_page_aware_pool
 from .bridge import Bridge, install_bridge
-from .control import data_parallel_size, engine_index
+from .ranks import data_parallel_size, engine_index
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -245,7 +245,7 @@ def _size_range(lo: int, hi: int) -> str:
 def header_for(scheduler: Any, geometry: KVGeometry, policy: Policy, *, clock: bool = False) -> Header:
     """The journal header of an engine over ``scheduler``: one pool, its workers, the producers,
     and with ``clock`` the wall-clock base its build boundaries' times count from. A data-parallel
-    rank's journal says which rank it is (``meta``), as its file name does (``control.rank_path``)."""
+    rank's journal says which rank it is (``meta``), as its file name does (``ranks.rank_path``)."""
     ranks = data_parallel_size(scheduler)
     meta = {"data_parallel_rank": str(engine_index(scheduler)), "data_parallel_size": str(ranks)} if ranks > 1 else {}
     return Header(

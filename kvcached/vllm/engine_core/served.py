@@ -28,7 +28,7 @@ from ...settings import Settings
 from ...version import KVCACHED_VERSION
 from .. import patches
 from ..kv_layout import plan_page
-from . import control, step_sender
+from . import control, ranks, step_sender
 from .engine import Engine, EngineConfig, assemble
 
 log = logging.getLogger("vllm.kvcached")
@@ -39,7 +39,7 @@ def service_config(settings: Settings, socket: str, journal: str | None = None) 
     journal, if any, is written by the service's thread, off the scheduler's path, within
     ``flush_interval`` of each event: vLLM kills the engine core at shutdown without calling the
     scheduler's shutdown, so nothing may wait for a final flush. ``journal``: this engine's own
-    path where it differs from the setting's (a data-parallel rank's, ``control.rank_path``)."""
+    path where it differs from the setting's (a data-parallel rank's, ``ranks.rank_path``)."""
     journal = journal or settings.journal
     return ServiceConfig(
         journal=journal,
@@ -70,9 +70,9 @@ def build(scheduler: Any, settings: Settings) -> Engine:
     geometry = plan.geometry
     # Each data-parallel rank is an engine core of its own (vLLM's EngineCoreProc per rank): its
     # own journal and socket; the flight recorder's dumps and the budget's shares go by pid.
-    index, ranks = control.engine_index(scheduler), control.data_parallel_size(scheduler)
-    socket = control.rank_path(default_socket_path(), index, ranks)
-    journal = control.rank_path(settings.journal, index, ranks) if settings.journal else None
+    index, count = ranks.engine_index(scheduler), ranks.data_parallel_size(scheduler)
+    socket = ranks.rank_path(default_socket_path(), index, count)
+    journal = ranks.rank_path(settings.journal, index, count) if settings.journal else None
     config = EngineConfig(
         policy=settings.policy,
         min_reserved_pages=settings.min_reserved_pages,
