@@ -11,6 +11,7 @@ through besides the liveness flags; they neither see nor call the rules.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -101,17 +102,25 @@ def store_owner(t: LedgerTables, ev: JobBuilt) -> None:
     so after a connector reset with sliding windows: it keeps stale window block ids of a
     request (only ids re-allocated in the current batch are cleared) and stores them under it.
     """
-    owned = t.owned.get(ev.req, {})
-    written = t.written
-    bad: list[tuple[int, int, int, list[int]]] = []  # (pool, block, held since or -1, [written at, by])
-    for pool, ids in enumerate(ev.blocks):
-        base = pool << 32
-        for b in ids:
-            held = owned.get(base | b, -1)
-            w = written.get(base | b)
-            if held < 0 or (w is not None and w[0] > held):
-                bad.append((pool, b, held, w if w is not None else [-1, -1]))
-    if not bad:
+    # Run for every store job once owners are known (a few hundred blocks a scheduler step), so
+    # written for mypyc like the ledger's hot handlers: the ids stay the event's int objects,
+    # which in pool 0 (vLLM's only pool) are the block keys themselves (``pool << 32 | b``: a
+    # new int object per lookup, twice a block), and the tables are read through ``Any`` locals.
+    owned: dict[Any, Any] = t.owned.get(ev.req) or {}
+    written: dict[Any, Any] = t.written
+    groups: tuple[tuple[Any, ...], ...] = ev.blocks
+    bad: list[tuple[int, int, int, list[int]]] | None = None  # (pool, block, held since or -1, [written at, by])
+    for pool in range(len(groups)):
+        base: Any = pool << 32
+        for b in groups[pool]:
+            key = base | b if pool else b
+            held: int = owned.get(key, -1)  # unboxed: compared natively
+            at: int = written.get(key, -1)
+            if held < 0 or at > held:
+                if bad is None:
+                    bad = []
+                bad.append((pool, b, held, [at, t.written_by[key] if at >= 0 else -1]))
+    if bad is None:
         return
     pool, b, held, (at, by) = bad[0]
     more = f" (+{plural(len(bad) - 1, 'more block')})" if len(bad) > 1 else ""

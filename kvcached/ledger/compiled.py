@@ -30,6 +30,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcached.page_allocator",
     "kvcached.vllm.engine_core.block_pool",
     "kvcached.vllm.engine_core.cached_blocks",
+    "kvcached.vllm.engine_core.pool_seam",
     "kvcached.vllm.engine_core.bridge",
     "kvcached.vllm.engine_core.scheduler_calls",
 )

@@ -102,7 +102,7 @@ FLAGS: Final = frozenset({"mapped"})
 FIXED: Final = frozenset({"legacy", "num_pages", "npools", "bpp", "first", "bpage"})
 # Tables that restore rebuilds from the kept ones (and the ledger's output, which it re-derives).
 DERIVED: Final = frozenset(
-    {"pins", "jobpins", "grace_due", "req_holds", "req_jobs", "mapped_pages", "pinned_pages"}
+    {"pins", "jobpins", "grace_due", "req_holds", "req_jobs", "mapped_pages", "pinned_pages", "written_by"}
     | {"releasable", "fresh"}
 )
 
@@ -137,6 +137,9 @@ def take_snapshot(t: LedgerTables) -> LedgerSnapshot:
     # A JobState less its request's count; its pages are a list (the hot path's, unconverted).
     jobs = [JobRecord(job, int(st[0]), st[1], tuple(st[2]), *st[3:7]) for job, st in sorted(t.jobs.items())]
     kept: dict[str, Any] = {n: bytes(getattr(t, n)) if n in FLAGS else _frozen(getattr(t, n)) for n in KEPT}
+    # The tables keep a block's last fresh allocation as two ints (tables.py says why), a
+    # snapshot as the [event index, request] it always kept.
+    kept["written"] = {k: [ix, t.written_by[k]] for k, ix in sorted(t.written.items())}
     return LedgerSnapshot(pools=pools, jobs=jobs, **kept)
 
 
@@ -149,6 +152,8 @@ def restore_snapshot(t: LedgerTables, s: LedgerSnapshot) -> None:
     for name in KEPT:
         if name not in CONFIG:
             setattr(t, name, _thawed(getattr(s, name), getattr(t, name)))
+    t.written = {k: ix for k, (ix, _) in s.written.items()}
+    t.written_by = {k: req for k, (_, req) in s.written.items()}
     for i, ps in enumerate(s.pools):  # POOL_TABLES
         t.alloc[i] = list(ps.alloc)
         t.bepoch[i] = list(ps.epoch)

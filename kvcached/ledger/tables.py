@@ -96,7 +96,11 @@ class LedgerTables:
     # request -> {block key: event index since which it holds (or held) the block}; a block key
     # is ``pool << 32 | block``. Dropped one build after the request's last build.
     owned: dict[int, dict[int, int]]
-    written: dict[int, list[int]]  # block key -> [event index, request] of its last fresh allocation
+    written: dict[int, int]  # block key -> event index of its last fresh allocation
+    # block key -> the request given it then. Two tables of ints, not an [index, request] list
+    # per block (as a snapshot keeps them): a list is an object the garbage collector tracks,
+    # and a fresh block made one, every scheduler step. (derived: restore splits the snapshot's)
+    written_by: dict[int, int]
     owned_due: dict[int, list[int]]  # build -> finished requests whose ownership is forgotten then
 
     # --- the event stream ---
@@ -172,7 +176,7 @@ class LedgerTables:
         self.grace, self.grace_due, self.holds, self.req_holds = {}, {}, {}, {}
         self.jobs, self.req_jobs, self.names = {}, {}, {}
         self.finished, self.finish_due, self.preempted = {}, {}, {}
-        self.owners_known, self.owned, self.written, self.owned_due = False, {}, {}, {}
+        self.owners_known, self.owned, self.written, self.written_by, self.owned_due = False, {}, {}, {}, {}
         self.index = self.build = 0
         self.boundary_ix, self.boundary_build = array("q"), array("q")
         self.lossy, self.dropped_events = False, 0

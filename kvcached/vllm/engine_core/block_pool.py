@@ -68,12 +68,13 @@ class PageAwarePool:
         if eviction not in EVICTION:
             raise ConfigError(f"eviction must be one of {', '.join(EVICTION)}, got {eviction!r}")
         self.pool = pool
+        self._queue = pool.free_block_queue
         self.manager = manager
         self.max_cached_blocks = max_cached_blocks
         self.eviction = eviction
         self.shrink_evictions = 0  # cached blocks evicted for a shrink (a counter for benchmarks)
         # Held blocks with ref_cnt 0 that vLLM may evict, oldest first (vLLM's LRU order).
-        self.evictable = CachedBlocks(manager.page_of)
+        self.evictable = CachedBlocks(manager.page_of, manager.geometry.num_blocks)
         self._orig: dict[str, Callable[..., Any]] = {}
         # While vLLM's own code runs (its reset, its get_new_blocks), it checks its free count
         # against its own queue, which holds every free block, kvcached's or not.
@@ -81,14 +82,19 @@ class PageAwarePool:
 
     # --- the wrapped calls --------------------------------------------------------------------
 
-    def get_num_free_blocks(self) -> int:
-        queued: int = self.pool.free_block_queue.num_free_blocks
+    def get_num_free_blocks(self) -> Any:  # an int: the object vLLM's queue holds, when it is the answer
+        # Asked ~200 times a prefill-heavy step: vLLM's queue is held (vLLM sets it once, in
+        # BlockPool.__init__) rather than looked up, and its count is returned as the object it
+        # is when it is the answer (typed int, the result was a new int object every call).
+        queued = self._queue.num_free_blocks
         if self._native:
             return queued
         # Never more than vLLM's own queue holds: while the two views agree that is every block
         # kvcached counts, and anything beyond it could not be handed out (vLLM's tests force a
         # preemption by setting that count, e.g. offloading_connector's test_request_preemption).
-        return min(self.manager.available_size() + len(self.evictable), queued)
+        n: int = queued
+        k = self.manager.available_size() + len(self.evictable)
+        return queued if n <= k else k
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         if num_blocks > self.get_num_free_blocks():
@@ -102,9 +108,13 @@ class PageAwarePool:
             b, _ = self.evictable.popitem(last=False)
             evicted.append(b)
             chosen.append(blocks[b])
-        try:
+
+        def check_free(chosen: Sequence[Any]) -> None:
             # vLLM's queue holds exactly the blocks with ref_cnt 0; one that vLLM uses would be
             # handed out twice (vLLM's own remove() fails on it half-way through the queue).
+            # ``hand_out`` calls this before it moves anything, unless the blocks already are
+            # the queue's head: then each is in the queue, so vLLM does not use it (one
+            # attribute read a block saved on nearly every call).
             for block in chosen:
                 if block.ref_cnt:
                     source = "free in kvcached's manager" if block.block_id in fresh else "evictable in kvcached"
@@ -112,9 +122,11 @@ class PageAwarePool:
                         f"block {block.block_id} is {source} but in use by vLLM (ref_cnt {block.ref_cnt}): "
                         "vLLM took it without the page-aware pool's touch or get_new_blocks"
                     )
+
+        try:
             self._native = True
             try:
-                return pool_seam.hand_out(self.pool, chosen, self._orig["get_new_blocks"])
+                return pool_seam.hand_out(self.pool, chosen, self._orig["get_new_blocks"], check_free)
             finally:
                 self._native = False
         except pool_seam.SeamError:
@@ -129,19 +141,28 @@ class PageAwarePool:
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
-        self._check_held(blocks, "free_blocks")
+        # The ids of this pool's own blocks, read while checking that kvcached holds them: after
+        # vLLM's free only their reference counts (and hashes) need reading again. An attribute
+        # of vLLM's block is a generic lookup (~240 instructions), and this runs for every block
+        # a step frees (hundreds on a prefill-heavy step).
+        ids = self._held(blocks, "free_blocks")
         self._orig["free_blocks"](blocks)
         pool = self.pool
         caching = bool(pool.enable_caching)  # read once: vLLM sets it at BlockPool.__init__
         evictable = self.evictable
-        to_manager: dict[int, None] = {}  # once each: a block may be listed once per reference
-        for block in blocks:
-            if block.ref_cnt or block.is_null:
+        to_manager: dict[Any, None] = {}  # once each: a block may be listed once per reference
+        for k in range(len(blocks)):
+            b = ids[k]
+            if b is False:  # the null block
                 continue
-            owner = block.pool
-            if owner is not None and owner is not pool:
+            block = blocks[k]
+            if block.ref_cnt:
                 continue
-            b: int = block.block_id
+            if b is None:  # not this pool's object (vLLM's tests' stand-ins): as vLLM tells it
+                owner = block.pool
+                if owner is not None and owner is not pool:
+                    continue
+                b = block.block_id
             # vLLM's free_blocks queues a block with a hash at the tail (evictable, LRU) and one
             # without at the head; ``block_hash`` is a Python property, read only when caching.
             if caching and block.block_hash is not None:
@@ -182,7 +203,7 @@ class PageAwarePool:
             self.manager.free(list(take))
             raise
         for b in hits:
-            self.evictable.pop(b, None)  # a prefix hit takes it back into use
+            self.evictable.discard(b)  # a prefix hit takes it back into use
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
         blocks = list(blocks)
@@ -216,22 +237,33 @@ class PageAwarePool:
 
     def _check_held(self, blocks: list[Any], call: str) -> None:
         """Before vLLM releases references: every block it holds, kvcached must hold too."""
+        self._held(blocks, call)
+
+    def _held(self, blocks: list[Any], call: str) -> list[Any]:
+        """``_check_held``, returning what it read: for each of ``blocks``, its id (the object vLLM
+        holds) if it is this pool's own block object, None if not, and False for the null block."""
         manager = self.manager
         mine: list[Any] = self.pool.blocks
         n = len(mine)
-        for block in blocks:
-            # Only this pool's own block objects: vLLM frees another pool's blocks through it
-            # (BlockPool.free_blocks hands them on), and its tests free stand-in KVCacheBlocks.
+        ids: list[Any] = [False] * len(blocks)
+        for k in range(len(blocks)):
+            block = blocks[k]
             if block.is_null:
                 continue
-            b: int = block.block_id
-            if b >= n or mine[b] is not block:
+            b = block.block_id
+            i: int = b  # native, for the checks; ``b`` stays the object (no new int to store)
+            # Only this pool's own block objects: vLLM frees another pool's blocks through it
+            # (BlockPool.free_blocks hands them on), and its tests free stand-in KVCacheBlocks.
+            if i >= n or mine[i] is not block:
+                ids[k] = None
                 continue
-            if not manager.holds(b):
+            if not manager.holds(i):
                 raise PoolAgreementError(
-                    f"vLLM's {call} releases block {b} (ref_cnt {block.ref_cnt}), "
+                    f"vLLM's {call} releases block {i} (ref_cnt {block.ref_cnt}), "
                     "which kvcached's manager does not hold"
                 )
+            ids[k] = b
+        return ids
 
     def disagreements(self) -> list[str]:
         """Every block on which kvcached and vLLM disagree, one line each; empty when they agree.

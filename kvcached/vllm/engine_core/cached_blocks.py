@@ -24,12 +24,19 @@ class CachedBlocks:
     tokens is 1,000 blocks, ranked on every free past the cap). ``stamp`` is the order itself:
     its keys are the blocks, oldest first, and its values increase along it (a block moved to
     the front gets a stamp below all others); ``on_page`` holds each page's cached blocks in
-    that order."""
+    that order (built when first asked for)."""
 
-    def __init__(self, page_of: Callable[[int], int]) -> None:
-        self._page_of = page_of
+    def __init__(self, page_of: Callable[[int], int], num_blocks: int = 0) -> None:
+        # Called with and returning objects (see ``add``): typed ``int``, mypyc would unbox both.
+        self._page_of: Callable[[Any], Any] = page_of
+        # ``page_of`` of blocks 0 .. num_blocks - 1, asked once (a block's page never changes):
+        # a list read instead of a generic call of the manager's method (~700 instructions) for
+        # every block that joins or leaves the cache. Each page is one int object.
+        same: dict[Any, Any] = {}
+        self._pages: list[Any] = [same.setdefault(p, p) for p in map(page_of, range(num_blocks))]
         self.stamp: OrderedDict[int, int] = OrderedDict()
-        self.on_page: dict[int, dict[int, None]] = {}
+        self._on_page: dict[int, dict[int, None]] = {}
+        self._indexed = False  # ``_on_page`` is built and kept once asked for (``on_page``)
         self._hi = 0
         self._lo = 0
 
@@ -54,26 +61,64 @@ class CachedBlocks:
         del self.stamp[b]
         self._forget(b)
 
-    def add(self, b: int) -> None:
+    def add(self, b: Any) -> None:
         """``self[b] = None``: a block already present keeps its place, as in an OrderedDict."""
+        # Every block that joins the prefix cache comes here: ``b`` and its page stay the objects
+        # the caller and ``page_of`` gave (typed ``int``, each use as a key was a new int object,
+        # six a block) and the stamp is boxed once.
         stamp = self.stamp
         if b in stamp:
             return
-        self._hi += 1
-        stamp[b] = self._hi
-        p = self._page_of(b)
-        blocks = self.on_page.get(p)
+        hi = self._hi + 1
+        self._hi = hi
+        stamp[b] = hi
+        if self._indexed:
+            self._index(b)
+
+    def _index(self, b: Any) -> None:
+        p = self._page(b)
+        on_page: dict[Any, Any] = self._on_page
+        blocks = on_page.get(p)
         if blocks is None:
-            self.on_page[p] = {b: None}
+            on_page[p] = {b: None}
         else:
             blocks[b] = None
 
-    def _forget(self, b: int) -> None:
-        p = self._page_of(b)
-        blocks = self.on_page[p]
+    @property
+    def on_page(self) -> dict[int, dict[int, None]]:
+        """Each page's cached blocks, in the LRU order (read only). Built from ``stamp`` when first
+        asked for (eviction by page: a cache cap, a shrink) and kept from then on: a pool that
+        never evicts by page keeps no index, whose upkeep was a third of what a block joining
+        the cache cost (a dict insertion that often resizes, ~700 instructions)."""
+        if not self._indexed:
+            self._indexed = True
+            self._on_page = {}
+            for b in self.stamp:
+                self._index(b)
+        return self._on_page
+
+    def _page(self, b: Any) -> Any:
+        i: int = b
+        pages = self._pages
+        if 0 <= i < len(pages):
+            return pages[i]
+        return self._page_of(b)
+
+    def _forget(self, b: Any) -> None:
+        if not self._indexed:
+            return
+        p = self._page(b)
+        on_page: dict[Any, Any] = self._on_page
+        blocks = on_page[p]
         del blocks[b]
         if not blocks:
-            del self.on_page[p]
+            del on_page[p]
+
+    def discard(self, b: Any) -> None:
+        """``self.pop(b, None)``, without the tuple a call with ``*default`` makes."""
+        if b in self.stamp:
+            del self.stamp[b]
+            self._forget(b)
 
     def pop(self, b: int, *default: Any) -> Any:
         if b in self.stamp:
@@ -91,21 +136,26 @@ class CachedBlocks:
 
     def clear(self) -> None:
         self.stamp.clear()
-        self.on_page.clear()
+        self._on_page.clear()
 
     def move_to_end(self, b: int, last: bool = True) -> None:
         stamp = self.stamp
         stamp.move_to_end(b, last)
-        p = self._page_of(b)
-        del self.on_page[p][b]
         if last:
             self._hi += 1
             stamp[b] = self._hi
-            self.on_page[p][b] = None
         else:
             self._lo -= 1
             stamp[b] = self._lo
-            self.on_page[p] = {b: None, **self.on_page[p]}
+        if not self._indexed:
+            return
+        on_page = self._on_page
+        p = self._page(b)
+        del on_page[p][b]
+        if last:
+            on_page[p][b] = None
+        else:
+            on_page[p] = {b: None, **on_page[p]}
 
     def newest(self, page: int) -> int:
         """The stamp of the most recently used cached block of ``page``."""

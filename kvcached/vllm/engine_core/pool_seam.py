@@ -33,16 +33,25 @@ class SeamError(PatchError):
     blocks kvcached did not choose, and this module must follow that vLLM."""
 
 
-def hand_out(pool: Any, blocks: Sequence[Any], get_new_blocks: Callable[[int], list[Any]]) -> list[Any]:
+def hand_out(
+    pool: Any,
+    blocks: Sequence[Any],
+    get_new_blocks: Callable[[int], list[Any]],
+    check_free: Callable[[Sequence[Any]], None] | None = None,
+) -> list[Any]:
     """Have vLLM's own ``get_new_blocks`` (the unwrapped method) hand out exactly ``blocks``.
 
     Each block must be in the free queue; the caller makes vLLM's free count its own queue's
-    while this runs (vLLM checks it against ``get_num_free_blocks`` first)."""
+    while this runs (vLLM checks it against ``get_num_free_blocks`` first). ``check_free`` is
+    called with ``blocks`` before any is moved, unless they already are the queue's head (then
+    each is in the queue: vLLM uses none of them); it raises if one is not free."""
     if not blocks:
         return []
     queue = pool.free_block_queue
     in_place = _at_head(queue, blocks)
     if not in_place:
+        if check_free is not None:
+            check_free(blocks)
         for block in blocks:
             queue.remove(block)
         queue.prepend_n(list(blocks))
