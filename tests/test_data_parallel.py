@@ -10,7 +10,7 @@ import pytest
 from kvcached.service.messages import EngineInfo, HandoffStatus, JournalStatus, StatusReply
 from kvcached.vllm.api_server.startup import DP_SIZE_ENV
 from kvcached.vllm.engine_core import ranks
-from tools.kvctl import engines, render
+from kvctl import engines, render
 
 
 def scheduler(*, index: int | None, size: int) -> SimpleNamespace:
