@@ -492,14 +492,10 @@ class Ledger(LedgerQueries):
 
     def _request_blocks(self, ev: RequestBlocks) -> None:
         # I5's bookkeeping: who holds a block, and when it was last written (fresh allocation).
-        # On the scheduler step once per scheduled request, a few hundred blocks a step, so
-        # written for mypyc (see the note above apply): the ids stay the int objects the event
-        # holds, and in pool 0 (vLLM's only pool) they are the block keys themselves
-        # (``pool << 32 | b``), so no key is made; the index is boxed once; and the tables are
-        # used through locals typed ``Any`` (a value stored into a ``dict[int, int]`` is unboxed
-        # and boxed again, a new int object each time).
+        # Hot (hundreds of blocks a step), so as the note above apply says: ids stay the event's
+        # int objects, which in pool 0 are the block keys (``pool << 32 | b``), and the tables
+        # are used through ``Any`` locals (a ``dict[int, int]`` store unboxes and boxes again).
         t = self.tables
-        req: Any
         pool: int
         fresh: tuple[Any, ...]
         shared: tuple[Any, ...]
@@ -517,7 +513,7 @@ class Ledger(LedgerQueries):
             owned = tables_owned[req] = {}
         written: dict[Any, Any] = t.written
         written_by: dict[Any, Any] = t.written_by
-        n: int  # an id unboxed, for the range check (a native compare, not a generic one)
+        n: int  # an id unboxed, for a native range check
         for b in fresh:
             n = b
             if n >= nb:
