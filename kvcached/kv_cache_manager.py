@@ -48,11 +48,12 @@ class Placement(enum.Enum):
     # As many whole pages of its own as the run fills, on empty pages (reserved or mapped now)
     # unless a shrink is pending; the rest as BEST_FIT. A page that holds one request's blocks
     # empties when that request ends, where a run spread over holes ties each page to the
-    # lifetimes of every request already on it. The smallest footprint measured. Default.
+    # lifetimes of every request already on it. The smallest footprint measured, but not the
+    # default: it hands blocks out of vLLM's LRU order (9 of vLLM's prefix-caching tests fail).
     WHOLE_PAGES = "whole-pages"
     # Upstream kvcached's ``KVCacheManager._pick_avail_page`` (its PR #390): the partly used page
     # with the fewest free blocks that still holds the whole run, else the one with the most;
-    # the lowest page among equals (upstream: its dict's order). For one block, FULLEST.
+    # the lowest page among equals (upstream: its dict's order). For one block, FULLEST. Default.
     BEST_FIT = "best-fit"
     # The fullest partly used page, the lowest among equals, whatever the run.
     FULLEST = "fullest"
@@ -174,7 +175,7 @@ class KVCacheManager:
         limit_pages: int | None = None,
         replicas: Sequence[Backend] = (),
         budget: PageBudget | None = None,
-        placement: Placement = Placement.WHOLE_PAGES,
+        placement: Placement = Placement.BEST_FIT,
     ) -> None:
         header = recorder.ledger.header
         described = pool < len(header.pools) and header.pools[pool] == geometry.pool()
