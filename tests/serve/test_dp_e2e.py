@@ -32,9 +32,10 @@ import pytest
 from kvcached.testing.tiny_model import build
 from kvcached.vllm.testing.e2e import (
     ACTIVE_LINE,
-    ERROR_SIGNATURES,
     Completion,
     Server,
+    check_same_as_native,
+    check_served,
     replay_check,
     validation_config,
     validation_prompts,
@@ -119,13 +120,7 @@ def test_dp2_servers_are_healthy(runs: dict[str, Run], mode: str) -> None:
     run = runs[mode]
     s = run.server
     assert run.ready, f"{mode}: not ready:\n{s.log()[-3000:]}"
-    assert len(run.outputs) == 20 and all(c.ok for c in run.outputs), [c.status for c in run.outputs]
-    assert s.left_behind == [], f"processes left behind: {s.left_behind}"
-    assert s.shm_files() == [], f"KV files left in /dev/shm: {s.shm_files()}"
-    before_stop = s.log(before_stop=True)
-    if mode != "legacy":  # legacy's own I1 reports are ERROR lines by design
-        bad = [line for line in before_stop.splitlines() if ERROR_SIGNATURES.search(line)]
-        assert not bad, bad[:5]
+    before_stop = check_served(s, run.outputs, legacy=mode == "legacy")  # legacy's I1 lines are ERRORs
     active = [line for line in before_stop.splitlines() if ACTIVE_LINE in line]
     if mode == "native":
         assert not active
@@ -140,10 +135,7 @@ def test_ledger_at_dp2_matches_native_exactly(runs: dict[str, Run]) -> None:
     native, ours = runs["native"].outputs, runs["ledger"].outputs
     for rank in range(2):  # each rank loaded a prefix back from its own CPU tier
         assert sum(c.cached_tokens or 0 for c in native[10 + rank :: 2]) > 0, f"rank {rank} never loaded back"
-    for i, (a, b) in enumerate(zip(native, ours, strict=True)):
-        assert b.tokens == a.tokens, f"request {i}: {b.text!r} != native {a.text!r}"
-        assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
-        assert b.cached_tokens == a.cached_tokens, f"request {i}: cached {b.cached_tokens} != {a.cached_tokens}"
+    check_same_as_native(native, ours)
 
 
 def test_each_rank_journals_its_own_jobs_and_replays_clean(runs: dict[str, Run]) -> None:

@@ -25,9 +25,11 @@ import pytest
 from kvcached.testing.tiny_model import build
 from kvcached.vllm.testing.e2e import (
     ACTIVE_LINE,
-    ERROR_SIGNATURES,
     Completion,
     Server,
+    check_same_as_native,
+    check_served,
+    job_reports,
     replay_check,
     validation_config,
     validation_passes,
@@ -84,13 +86,7 @@ def test_pp2_servers_are_healthy(runs: dict[str, Run], mode: str) -> None:
     run = runs[mode]
     s = run.server
     assert run.ready, f"{mode}: not ready:\n{s.log()[-3000:]}"
-    assert len(run.outputs) == 20 and all(c.ok for c in run.outputs), [c.status for c in run.outputs]
-    assert s.left_behind == [], f"processes left behind: {s.left_behind}"
-    assert s.shm_files() == [], f"KV files left in /dev/shm: {s.shm_files()}"
-    before_stop = s.log(before_stop=True)
-    if mode != "legacy":  # legacy's own I1 reports are ERROR lines by design
-        bad = [line for line in before_stop.splitlines() if ERROR_SIGNATURES.search(line)]
-        assert not bad, bad[:5]
+    before_stop = check_served(s, run.outputs, legacy=mode == "legacy")  # legacy's I1 lines are ERRORs
     lines = before_stop.splitlines()
     active = [line for line in lines if ACTIVE_LINE in line]
     stages = sorted(line.split()[0] for line in lines if STEP_CHANNEL in line)
@@ -106,24 +102,14 @@ def test_pp2_servers_are_healthy(runs: dict[str, Run], mode: str) -> None:
 def test_ledger_at_pp2_matches_native_exactly(runs: dict[str, Run]) -> None:
     native, ours = runs["native"].outputs, runs["ledger"].outputs
     assert sum(c.cached_tokens or 0 for c in native[10:]) > 0, "native never loaded from the CPU tier"
-    for i, (a, b) in enumerate(zip(native, ours, strict=True)):
-        assert b.tokens == a.tokens, f"request {i}: {b.text!r} != native {a.text!r}"
-        assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
-        assert b.cached_tokens == a.cached_tokens, f"request {i}: cached {b.cached_tokens} != {a.cached_tokens}"
+    check_same_as_native(native, ours)
 
 
 def test_ledger_keeps_pages_until_both_stages_reported(runs: dict[str, Run]) -> None:
-    from kvcached.ledger.events import JobReported
-    from kvcached.ledger.journal import read_journal
-
     journal = runs["ledger"].journal
     assert journal is not None
-    trace = read_journal(journal)
-    reports: dict[int, int] = {}
-    for ev in trace.events:
-        if isinstance(ev, JobReported):
-            reports[ev.job] = reports.get(ev.job, 0) + ev.count
-    assert trace.header.workers == 2 and reports and set(reports.values()) == {2}, reports
+    workers, reports = job_reports(journal)
+    assert workers == 2 and reports and {sum(c) for c in reports.values()} == {2}, reports
     rc, report = replay_check(journal)
     assert rc == 0 and "clean" in report and "0 outstanding" in report, report
 

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -422,3 +423,42 @@ def kv_resident_bytes(pid: int) -> int:
             elif inside and head == "Rss:":
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def check_served(
+    server: Server, outputs: list[Completion], *, legacy: bool, shm: bool = True,
+    ours: Callable[[str], bool] = lambda line: True,
+) -> str:
+    """What every served validation run must show: 20 completions, no process left behind, no KV
+    file left in ``/dev/shm`` (``shm``: this machine's), and no error line (of those ``ours``
+    keeps) but legacy's own I1 reports; the log up to the stop, for the caller's own checks."""
+    assert len(outputs) == 20 and all(c.ok for c in outputs), [c.status for c in outputs]
+    assert server.left_behind == [], f"processes left behind: {server.left_behind}"
+    if shm:
+        assert server.shm_files() == [], f"KV files left in /dev/shm: {server.shm_files()}"
+    before_stop = server.log(before_stop=True)
+    if not legacy:
+        bad = [line for line in before_stop.splitlines() if ERROR_SIGNATURES.search(line) and ours(line)]
+        assert not bad, bad[:5]
+    return before_stop
+
+
+def check_same_as_native(native: list[Completion], ours: list[Completion]) -> None:
+    """Each completion equals native vLLM's: greedy tokens, top-5 logprobs, cached-token count."""
+    for i, (a, b) in enumerate(zip(native, ours, strict=True)):
+        assert b.tokens == a.tokens, f"request {i}: {b.text!r} != native {a.text!r}"
+        assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
+        assert b.cached_tokens == a.cached_tokens, f"request {i}: cached {b.cached_tokens} != {a.cached_tokens}"
+
+
+def job_reports(journal: str | Path) -> tuple[int, dict[int, list[int]]]:
+    """(workers in the journal's header, job id -> the counts of its reports in journal order)."""
+    from kvcached.ledger.events import JobReported
+    from kvcached.ledger.journal import read_journal
+
+    trace = read_journal(journal)
+    counts: dict[int, list[int]] = {}
+    for ev in trace.events:
+        if isinstance(ev, JobReported):
+            counts.setdefault(ev.job, []).append(ev.count)
+    return trace.header.workers, counts
