@@ -23,7 +23,7 @@ from ...settings import Settings
 from .. import patches
 from . import checks
 
-# vllm serve's --data-parallel-size, for its engine cores (``engine_core.control.data_parallel_size``).
+# vllm serve's --data-parallel-size, for its engine cores (``engine_core.ranks.data_parallel_size``).
 DP_SIZE_ENV = "KVCACHED_SERVE_DP_SIZE"
 
 
