@@ -278,8 +278,8 @@ def decode_run(placement: Placement, seed: int, load: int, drain: int, limit: in
 
 def placement_rows(seeds: list[int], load: int, drain: int, limit: int) -> None:
     names = {
-        Placement.WHOLE_PAGES: "whole pages, rest best fit",
-        Placement.BEST_FIT: "best fit (upstream #390; default)",
+        Placement.WHOLE_PAGES: "whole pages, rest best fit (default)",
+        Placement.BEST_FIT: "best fit (upstream #390)",
         Placement.FULLEST: "fullest page",
         Placement.LOWEST: "lowest page (before issue 30)",
     }

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .backends.base import Backend, PageStillMappedError
+from .backends.base import Backend
 from .errors import BackendError, CapacityError, ConfigError, ConsistencyError
 from .ledger.events import BlockAlloc, BlockFree, Header, Policy, PoolGeometry
 from .ledger.ledger import Ledger
 from .ledger.recorder import Recorder
 from .page_allocator import AllocatorState, OutOfPagesError, PageAllocator, PageBudget, PageMapper
 from .page_size import CUDA_GRANULARITY, mib
+from .page_slots import RegionSlots
 
 if TYPE_CHECKING:
     import torch
@@ -48,12 +49,11 @@ class Placement(enum.Enum):
     # As many whole pages of its own as the run fills, on empty pages (reserved or mapped now)
     # unless a shrink is pending; the rest as BEST_FIT. A page that holds one request's blocks
     # empties when that request ends, where a run spread over holes ties each page to the
-    # lifetimes of every request already on it. The smallest footprint measured, but not the
-    # default: it hands blocks out of vLLM's LRU order (9 of vLLM's prefix-caching tests fail).
+    # lifetimes of every request already on it. The smallest footprint measured. Default.
     WHOLE_PAGES = "whole-pages"
     # Upstream kvcached's ``KVCacheManager._pick_avail_page`` (its PR #390): the partly used page
     # with the fewest free blocks that still holds the whole run, else the one with the most;
-    # the lowest page among equals (upstream: its dict's order). For one block, FULLEST. Default.
+    # the lowest page among equals (upstream: its dict's order). For one block, FULLEST.
     BEST_FIT = "best-fit"
     # The fullest partly used page, the lowest among equals, whatever the run.
     FULLEST = "fullest"
@@ -111,55 +111,6 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
         return PoolGeometry(block_bytes=self.block_bytes, num_blocks=self.num_blocks)
 
 
-class _Slots:
-    """Logical page ``p`` = slot ``p`` of every layer's region of every backend (tensor-parallel
-    ranks each hold their own copy of the KV and follow the same map/unmap decisions); all of
-    them are mapped or none."""
-
-    def __init__(self, backends: Sequence[Backend], geometry: KVGeometry) -> None:
-        self.backends = tuple(backends)
-        self.num_pages = geometry.num_pages
-        self._regions = geometry.regions
-
-    def _slots(self, index: int) -> list[tuple[Backend, int]]:
-        return [(b, r * self.num_pages + index) for b in self.backends for r in range(self._regions)]
-
-    def map_page(self, index: int) -> None:
-        done: list[tuple[Backend, int]] = []
-        try:
-            for backend, slot in self._slots(index):
-                backend.map_page(slot)
-                done.append((backend, slot))
-        except BackendError:
-            for backend, slot in done:
-                backend.unmap_page(slot)
-            raise
-
-    def unmap_page(self, index: int) -> None:
-        # All or none here too. A slot that fails having returned nothing (PageStillMappedError)
-        # gets the slots unmapped before it mapped again, so that the page is whole and still
-        # mapped, as the error tells the allocator (which tries again later); the page is empty,
-        # so they lose nothing by coming back zeroed. Any other failure returned the slot's
-        # memory (``Backend.unmap_page``): the rest are unmapped as well and the error raised.
-        done: list[tuple[Backend, int]] = []
-        gone: BackendError | None = None
-        for backend, slot in self._slots(index):
-            try:
-                backend.unmap_page(slot)
-            except PageStillMappedError as e:
-                if gone is None:
-                    for b, s in done:
-                        b.map_page(s)  # a failure here is a plain BackendError: the page counts as gone
-                    raise
-                gone.add_note(f"slot {slot} of {backend.kind} stays mapped: {e}")
-                continue
-            except BackendError as e:
-                gone = gone or e
-            done.append((backend, slot))
-        if gone is not None:
-            raise gone
-
-
 class KVCacheManager:
     """Blocks of one pool on pages of one backend range, every step recorded in the ledger."""
 
@@ -175,7 +126,7 @@ class KVCacheManager:
         limit_pages: int | None = None,
         replicas: Sequence[Backend] = (),
         budget: PageBudget | None = None,
-        placement: Placement = Placement.BEST_FIT,
+        placement: Placement = Placement.WHOLE_PAGES,
     ) -> None:
         header = recorder.ledger.header
         described = pool < len(header.pools) and header.pools[pool] == geometry.pool()
@@ -198,7 +149,9 @@ class KVCacheManager:
         self._last_page = geometry.num_pages - 1
         self._short = self._bpp * geometry.num_pages - geometry.num_blocks  # blocks the last page lacks
         simple = geometry.regions == 1 and not replicas
-        mapper: PageMapper = backend if simple else _Slots((backend, *replicas), geometry)
+        mapper: PageMapper = (
+            backend if simple else RegionSlots((backend, *replicas), geometry.num_pages, geometry.regions)
+        )
         self.allocator = PageAllocator(
             mapper,
             recorder,
@@ -211,7 +164,10 @@ class KVCacheManager:
         )
         # Invariant: num_allocated == sum(_allocated) == sum(_used), and _used[p] counts the
         # blocks of page p with _allocated set.
-        self._allocated = bytearray(geometry.num_blocks)
+        # A list, not a bytearray: mypyc reads and sets its items natively (a bytearray's are
+        # generic calls with a boxed index, ~270 instructions a read on the step's hot path).
+        # 8 bytes a block, beside the Python object of ~100 bytes vLLM keeps for each.
+        self._allocated: list[int] = [0] * geometry.num_blocks
         self._used = [0] * geometry.num_pages  # allocated blocks per page
         # Invariant: the keys are the allocator's pages in use that have free blocks (a full page
         # has no entry, nor a page not in use); a page in use has as blocks its allocated ones
@@ -246,6 +202,7 @@ class KVCacheManager:
         # in the key.
         self._page_blocks = 0
         self._page_blocks_key: object = None
+        self._counted_at = -1  # the allocator's change count when the key was last compared
 
     @classmethod
     def standalone(
@@ -291,9 +248,14 @@ class KVCacheManager:
 
         vLLM's scheduler asks for as many blocks as the page-aware pool reports free, inside
         ``Scheduler.schedule()``, so an overcount is an engine crash, not a refusal."""
-        if self.allocator.count_key() != self._page_blocks_key:
-            self._page_blocks = self._count_page_blocks()
-            self._page_blocks_key = self.allocator.count_key()  # as the count left it (a lease)
+        alloc = self.allocator
+        # Asked ~200 times a prefill-heavy step (vLLM's free count): two native reads when
+        # nothing changed, where the key is a boxed object compared generically.
+        if alloc.changes != self._counted_at or alloc.lease_short:
+            if alloc.count_key() != self._page_blocks_key:
+                self._page_blocks = self._count_page_blocks()
+                self._page_blocks_key = alloc.count_key()  # as the count left it (a lease)
+            self._counted_at = alloc.changes
         return min(self._partial_free + self._page_blocks, self._num_blocks - self.num_allocated)
 
     def _count_page_blocks(self) -> int:
@@ -326,7 +288,7 @@ class KVCacheManager:
                 # The pages available_size counts beyond the free blocks of pages in use.
                 whole = min(n // self._bpp, (self.available_size() - self._partial_free) // self._bpp)
                 for _ in range(whole):
-                    self._new_page(n - len(out), out, fresh)
+                    self._whole_page(out, fresh)
             fit = placement is Placement.BEST_FIT or placement is Placement.WHOLE_PAGES
             while len(out) < n and free_in:
                 want = n - len(out)
@@ -355,6 +317,19 @@ class KVCacheManager:
         self._push_partial(page)
         self._moved(page, 0, len(free))
         self._take(page, want, out)
+
+    def _whole_page(self, out: list[int], fresh: list[int]) -> None:
+        """Put a page in use (the allocator's pick) and take all of its blocks: what ``_new_page``
+        does for a run at least a page long, without the page ever joining the partly used
+        ones (no free list made to be emptied, no bucket moves; a third of its cost)."""
+        page = self.allocator.alloc_page()
+        fresh.append(page)
+        blocks = self._blocks_of(page)
+        k = len(blocks)
+        self._allocated[blocks.start : blocks.stop] = [1] * k
+        out.extend(blocks)
+        self._used[page] = k
+        self.num_allocated += k
 
     def _by_fill(self, want: int) -> int:
         """The partly used page with the fewest free blocks among those with ``want`` or more,

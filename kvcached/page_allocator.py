@@ -216,6 +216,12 @@ class PageAllocator:
         self._lease_short = self._leased < want
         return self._leased
 
+    @property
+    def lease_short(self) -> bool:
+        """Whether the last count wanted more pages than the budget could lease: then a count is
+        valid for ``count_key``'s time as well as its change count."""
+        return self._lease_short
+
     def count_key(self) -> object:
         """What a cached count of ``pages_available`` is valid for: the change count, and, while
         the budget could not lease all that was wanted, the time (another engine may give bytes

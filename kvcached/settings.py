@@ -189,6 +189,14 @@ MAX_DUMPS: Final = Var(
     name="KVCACHED_MAX_DUMPS", kind="count", default="20", low=1, high=100_000,
     hint="a whole number of flight-recorder dumps an engine keeps, from 1 to 100,000 (20 by default)",
 )
+# Where the manager puts a run of new blocks (kv_cache_manager.Placement's values; kept here as
+# words so that the API server reads settings without importing the manager).
+PLACEMENT: Final = Var(
+    name="KVCACHED_PLACEMENT", kind="word", default="whole-pages",
+    words=("whole-pages", "best-fit", "fullest", "lowest"),
+    hint="whole-pages (the default: a request's whole pages of its own, the fewest pages mapped), best-fit "
+    "(upstream kvcached's rule, vLLM's own block ids on a fresh pool), fullest or lowest",
+)
 # Upstream kvcached's name for the least KV memory an engine may be limited to: a limit below the
 # floor (what one request of max_model_len needs, or this if larger) is refused unless forced
 # (kvctl limit --force), so that a typo cannot leave a server that admits no request.
@@ -217,6 +225,7 @@ SETTINGS: Final = (
     JOURNAL_DURABILITY,
     MAX_DUMPS,
     MIN_KV_CACHE,
+    PLACEMENT,
 )
 
 # Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
@@ -282,6 +291,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     journal_durability: str = "interval"  # KVCACHED_JOURNAL_DURABILITY: none | interval | batch
     max_dumps: int = 20  # KVCACHED_MAX_DUMPS
     min_kv_cache_bytes: int = 0  # KVCACHED_MIN_KV_CACHE_MB: the least a limit may be, beside one request
+    placement: str = "whole-pages"  # KVCACHED_PLACEMENT: a kv_cache_manager.Placement value
 
     @staticmethod
     def enabled_in(env: Mapping[str, str] | None = None) -> bool:
@@ -315,6 +325,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             journal_durability=_text(e, JOURNAL_DURABILITY),
             max_dumps=_count(e, MAX_DUMPS),
             min_kv_cache_bytes=_count(e, MIN_KV_CACHE),
+            placement=_text(e, PLACEMENT),
         )
         if s.budget is not None and not BUDGET_NAME.fullmatch(s.budget):
             raise ConfigError(

@@ -19,7 +19,7 @@ bash scripts/build-compiled.sh .venv/compiled
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pytest -q -p no:cacheprovider \
     tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py tests/test_live.py \
     tests/test_kv_cache_manager.py tests/test_available_size.py tests/test_invariants.py tests/test_cached_blocks.py \
-    tests/test_budget.py tests/test_budget_race.py
+    tests/test_budget.py tests/test_budget_race.py tests/test_placement.py
 echo "--- the release: the sdist and wheel python -m build makes, installed into a fresh venv, compiled and with CC=false"
 bash scripts/check-wheel.sh
 echo "--- real vLLM 0.33.0 (scheduler, OffloadingConnector) with kvcached underneath"
@@ -29,7 +29,8 @@ echo "--- the page-aware pool and the bridge on vLLM 0.33.0, compiled"
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv-vllm/bin/python -P -m pytest -q -p no:cacheprovider \
     tests/vllm_scheduler/test_page_pool.py tests/vllm_scheduler/test_pool_agreement.py \
     tests/vllm_scheduler/test_shrink.py tests/vllm_scheduler/test_reset_preemption.py \
-    tests/vllm_scheduler/test_no_connector.py tests/vllm_scheduler/test_scenarios.py
+    tests/vllm_scheduler/test_no_connector.py tests/vllm_scheduler/test_scenarios.py \
+    tests/vllm_scheduler/test_pool_seam.py
 echo "--- vLLM 0.33.0's own tests (block pool, KV cache managers, prefix caching, scheduler, OffloadingConnector): alone, then under kvcached"
 bash scripts/vllm-conformance.sh
 echo "--- vLLM's CPU build 0.32.0: the scenarios again, the plugin, and vllm serve end to end"

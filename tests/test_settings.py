@@ -232,3 +232,16 @@ def test_a_journal_bound_below_two_segments_is_refused_in_one_line_naming_both()
     assert "at least 512 MiB" in message
     small = {"KVCACHED_MAX_JOURNAL_BYTES": "300M", "KVCACHED_JOURNAL_SEGMENT_BYTES": "150M"}
     assert Settings.from_env(small).max_journal_bytes == 300 << 20
+
+
+def test_placement_reads_strictly_and_reaches_the_served_engine() -> None:
+    from kvcached.kv_cache_manager import Placement
+    from kvcached.settings import PLACEMENT
+
+    assert set(PLACEMENT.words) == {p.value for p in Placement}  # the words are the rules, all of them
+    assert Settings.from_env({}).placement == Placement.WHOLE_PAGES.value
+    assert Settings.from_env({"KVCACHED_PLACEMENT": "Best-Fit"}).placement == "best-fit"
+    message = refusal({"KVCACHED_PLACEMENT": "tightest"})
+    one_line_naming(message, "KVCACHED_PLACEMENT", "tightest")
+    assert "whole-pages" in message and "best-fit" in message, message
+

@@ -264,13 +264,20 @@ RELIED_ON: Final = (
         name="free queue head", process="engine core", module="vllm.v1.core.kv_cache_utils",
         owner="FreeKVCacheBlockQueue", attrs=("fake_free_list_head",), how=How.READ, when=When.ENGINE_BUILD,
         optional=True,
-        why="pool_seam._at_head walks the queue from its sentinel head to skip moving blocks already at "
+        why="pool_seam._to_move walks the queue from its sentinel head to skip moving blocks already at "
         "its head; without it they are moved (vLLM 0.32 and 0.33, vllm/v1/core/kv_cache_utils.py)",
     ),
     Patch(
         name="free queue links", process="engine core", module="vllm.v1.core.kv_cache_utils",
         owner="KVCacheBlock", attrs=("next_free_block",), how=How.READ, when=When.ENGINE_BUILD, optional=True,
         why="the walk's next link, KVCacheBlock's slot (vLLM 0.32 and 0.33, vllm/v1/core/kv_cache_utils.py)",
+    ),
+    Patch(
+        name="block hash field", process="engine core", module="vllm.v1.core.kv_cache_utils",
+        owner="KVCacheBlock", attrs=("_block_hash",), how=How.READ, when=When.ENGINE_BUILD,
+        why="the page-aware pool's free_blocks reads the field that KVCacheBlock.block_hash returns, for "
+        "each block a step frees, without the property's call (vLLM 0.32 and 0.33, "
+        "vllm/v1/core/kv_cache_utils.py)",
     ),
 )
 

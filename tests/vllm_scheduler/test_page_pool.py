@@ -14,7 +14,7 @@ from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector  # noqa: E402
 
 from kvcached.backends.host import HostBackend  # noqa: E402
 from kvcached.errors import ConfigError  # noqa: E402
-from kvcached.kv_cache_manager import KVCacheManager, KVGeometry  # noqa: E402
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry, Placement  # noqa: E402
 from kvcached.ledger.events import BlockFree, BuildBoundary, PrefixCacheReset  # noqa: E402
 from kvcached.vllm.engine_core.block_pool import install_page_aware_pool  # noqa: E402
 from kvcached.vllm.engine_core.bridge import install_bridge  # noqa: E402
@@ -29,6 +29,7 @@ def setup(num_blocks: int = 32, caching: bool = True, *, bridge: bool = False, *
     )
     geo = KVGeometry(num_blocks=num_blocks, block_bytes=16 * 1024, page_bytes=PAGE)  # 4 blocks a page
     m = KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE))
+    m.placement = Placement.BEST_FIT  # the layouts below are best fit's; test_placement has the rules
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None)
     if bridge:  # as an engine without a KV connector has it (engine_core.engine.assemble)
         install_bridge(scheduler, m.recorder, offloading=False)

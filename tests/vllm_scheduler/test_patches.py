@@ -26,7 +26,7 @@ from kvcached.vllm import patches  # noqa: E402
 from kvcached.vllm.engine_core.block_pool import install_page_aware_pool  # noqa: E402
 
 PAGE = 64 * 1024
-WHERE = "kvcached/vllm/patches.py (RELIED_ON) and engine_core/pool_seam.py depend on it"
+WHERE = "kvcached/vllm/patches.py (RELIED_ON), engine_core/pool_seam.py and block_pool.py depend on it"
 
 
 def pool(num_blocks: int = 16):

@@ -35,7 +35,7 @@ import msgspec
 from ...backends.base import Backend
 from ...budget import Budget
 from ...errors import ConfigError, KvcachedError
-from ...kv_cache_manager import KVCacheManager, KVGeometry
+from ...kv_cache_manager import KVCacheManager, KVGeometry, Placement
 from ...ledger.events import Header, Policy
 from ...ledger.journal import JournalWriter
 from ...ledger.ledger import Ledger
@@ -74,6 +74,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     budget_bytes: int = 0
     budget_dir: str | None = None  # where budgets live (None: kvcached.budget.budget_dir(); tests)
     max_cached_blocks: int | None = None  # KVCACHED_MAX_CACHED_TOKENS in blocks; None: no cap
+    placement: Placement = Placement.WHOLE_PAGES  # KVCACHED_PLACEMENT
     # False: vLLM's own block pool and no manager, the bridge's events only (a benchmark's baseline).
     page_aware: bool = True
     # At most one journal. Inline: framed every 256 events on the scheduler's thread, so that
@@ -319,6 +320,7 @@ def assemble(
                     min_reserved=lo,
                     max_reserved=hi,
                     budget=budget,
+                    placement=config.placement,
                 )
             bridge = install_bridge(scheduler, recorder, offloading=getattr(scheduler, "connector", None) is not None)
             pool = None

@@ -8,8 +8,8 @@ refused at engine build and fails ``tests/vllm_scheduler/test_patches.py``:
 
 * the seam: ``BlockPool.get_new_blocks(n)`` hands out the first ``n`` blocks of its public
   ``free_block_queue`` (``FreeKVCacheBlockQueue.popleft_n``), in queue order. kvcached moves the
-  blocks it chose to the head of that queue (``remove``, ``prepend_n``, both public; skipped when
-  they are its head already, read from the queue's links, ``_at_head``), then calls
+  blocks it chose to the head of that queue (``remove``, ``prepend_n``, both public; skipped for
+  those that lead it already, read from the queue's links, ``_to_move``), then calls
   vLLM's method, which drops their prefix-cache hashes, tells reuse watchers, counts
   references and metrics as it always does (``hand_out`` checks that it got what it chose);
 * the private names: giving the pages of cached blocks back beyond ``KVCACHED_MAX_CACHED_TOKENS``
@@ -38,26 +38,39 @@ def hand_out(
     blocks: Sequence[Any],
     get_new_blocks: Callable[[int], list[Any]],
     check_free: Callable[[Sequence[Any]], None] | None = None,
+    *,
+    ids: list[int] | None = None,
+    marks: list[bool] | None = None,
 ) -> list[Any]:
     """Have vLLM's own ``get_new_blocks`` (the unwrapped method) hand out exactly ``blocks``.
 
     Each block must be in the free queue; the caller makes vLLM's free count its own queue's
-    while this runs (vLLM checks it against ``get_num_free_blocks`` first). ``check_free`` is
-    called with ``blocks`` before any is moved, unless they already are the queue's head (then
-    each is in the queue: vLLM uses none of them); it raises if one is not free."""
+    while this runs (vLLM checks it against ``get_num_free_blocks`` first). The blocks that
+    already lead the queue stay where they are and the others are moved in front of them, so
+    the result holds ``blocks`` in another order where some were moved: which of a request's
+    fresh blocks comes first means nothing to vLLM, and a move costs vLLM's ``remove`` and
+    ``prepend_n`` (about 2,000 instructions a block). ``check_free`` is called with the blocks
+    to move before any is moved (those left in place are in the queue: vLLM uses none of them);
+    it raises if one is not free. ``ids`` (the blocks' ids, in order) and ``marks`` (one false
+    item a block of the pool, left so; a list, whose items mypyc reads and sets natively) let
+    it find the blocks that lead the queue out of order; without them only those leading it in
+    order stay.
+    """
     if not blocks:
         return []
     queue = pool.free_block_queue
-    in_place = _at_head(queue, blocks)
-    if not in_place:
+    moved = _to_move(queue, blocks, ids, marks)
+    if moved:
         if check_free is not None:
-            check_free(blocks)
-        for block in blocks:
+            check_free(moved)
+        for block in moved:
             queue.remove(block)
-        queue.prepend_n(list(blocks))
+        queue.prepend_n(moved)
+    # Nothing moved: the queue's links exist (``_to_move`` read them) and it starts with ``blocks``.
+    first = moved[0] if moved else queue.fake_free_list_head.next_free_block
     got = get_new_blocks(len(blocks))
-    # First and last by identity: O(1), and enough to see a vLLM that pops from elsewhere.
-    if len(got) != len(blocks) or got[0] is not blocks[0] or got[-1] is not blocks[-1]:
+    # The head by identity, and the count: O(1), and enough to see a vLLM that pops elsewhere.
+    if len(got) != len(blocks) or got[0] is not first:
         raise SeamError(
             f"vLLM's BlockPool.get_new_blocks ({vllm_version()}) did not hand out the head of its free "
             "queue; kvcached/vllm/engine_core/pool_seam.py must follow it"
@@ -65,24 +78,51 @@ def hand_out(
     return got
 
 
-def _at_head(queue: Any, blocks: Sequence[Any]) -> bool:
-    """Whether ``blocks`` already are the head of vLLM's free queue, in order: then moving them
-    there is a no-op. It is the common case (measured on benchmarks/bench_bridge.py: 98% of the
-    blocks handed out on its prefill mix, all of them on its decode): the manager takes fresh
-    pages' blocks in id order, the queue's order at start, and vLLM's ``free_blocks`` prepends
-    the blocks it frees without a hash, which the manager tends to hand out again first. Reads the
-    queue's links (``FreeKVCacheBlockQueue.fake_free_list_head``, ``KVCacheBlock.
-    next_free_block``, vLLM 0.32 and 0.33, ``vllm/v1/core/kv_cache_utils.py``); a vLLM without
-    them gets the move (and one that pops elsewhere fails ``hand_out``'s check either way)."""
+def _to_move(queue: Any, blocks: Sequence[Any], ids: list[int] | None, marks: list[bool] | None) -> list[Any]:
+    """Which of ``blocks`` to move to the head of vLLM's free queue: those not among the blocks
+    that lead it (the queue's first blocks up to the first one not in ``blocks``); none when
+    the queue starts with all of them, in any order.
+
+    That is most calls (measured on benchmarks/bench_bridge.py's prefill mix): the manager
+    takes fresh pages' blocks in id order, the queue's order at start, and vLLM's
+    ``free_blocks`` prepends the blocks it frees without a hash, which the manager tends to hand
+    out again first; under ``WHOLE_PAGES`` a run's whole pages come first and the holes it
+    fills after them often lead the queue, the same blocks in another order. Reads the queue's
+    links (``FreeKVCacheBlockQueue.fake_free_list_head``, ``KVCacheBlock.next_free_block``,
+    vLLM 0.32 and 0.33, ``vllm/v1/core/kv_cache_utils.py``); a vLLM without them gets every
+    block moved (and one that pops elsewhere fails ``hand_out``'s check)."""
     head = getattr(queue, "fake_free_list_head", None)
     cur = getattr(head, "next_free_block", None)
     if cur is None:
-        return False
-    for block in blocks:
-        if cur is not block:
-            return False
-        cur = block.next_free_block
-    return True
+        return list(blocks)
+    # In order first, by identity: the common case reads one link a block and marks nothing.
+    n = len(blocks)
+    k = 0
+    while k < n and cur is blocks[k]:
+        cur = cur.next_free_block
+        k += 1
+    if k == n:
+        return []
+    if ids is None or marks is None:
+        return list(blocks[k:])
+    for i in range(k, n):
+        marks[ids[i]] = True
+    lead = k
+    while lead < n and cur is not None:
+        b: int = cur.block_id
+        if not marks[b]:
+            break
+        marks[b] = False
+        cur = cur.next_free_block
+        lead += 1
+    moved: list[Any] = []
+    if lead < n:
+        for i in range(k, n):
+            b = ids[i]
+            if marks[b]:
+                marks[b] = False
+                moved.append(blocks[i])
+    return moved
 
 
 def notify_reuse(pool: Any, blocks: Sequence[Any]) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import KvcachedError
+from ...kv_cache_manager import Placement
 from ...ledger.compiled import compiled_status
 from ...page_size import mib
 from ...service.ledger_service import Durability, ServiceConfig
@@ -82,6 +83,7 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         max_reserved_bytes=settings.max_reserved_bytes,
         budget=settings.budget,
         budget_bytes=settings.budget_bytes,
+        placement=Placement(settings.placement),
         clock=True,
     )
     engine = assemble(scheduler, geometry, backends, config, page_log=page_log)

@@ -31,7 +31,7 @@ log = logging.getLogger("vllm.kvcached")
 
 class DecisionBackend(Backend):
     """A backend with no memory: the scheduler's view of the workers' ranges. Rank 0's records
-    each decision on logical page ``p`` (slot ``p``, region 0: ``_Slots`` maps region ``r`` of
+    each decision on logical page ``p`` (slot ``p``, region 0: ``page_slots.RegionSlots`` maps region ``r`` of
     page ``p`` at slot ``r * num_pages + p``); the other ranks' only count, so that a page costs
     its bytes on every rank (limits and budgets speak for the whole engine)."""
 

@@ -7,7 +7,10 @@ backend pages, vLLM's block pool is page-aware, and the bridge turns connector c
 events. Under ``legacy`` the allocator unmaps a page as soon as it is empty, as kvcached did
 before the offloading pins; under ``ledger`` it waits for the pins. Upstream kvcached PR #598's reproduction
 settings are used: no cached blocks kept (``KVCACHED_MAX_CACHED_TOKENS=0``) and no reserved
-pages (``KVCACHED_MAX_RESERVED_PAGES=0``), so a freed page really goes back to the OS.
+pages (``KVCACHED_MAX_RESERVED_PAGES=0``), so a freed page really goes back to the OS, and
+upstream's placement (best fit, ``Placement.BEST_FIT``), whose layouts the cases were built on:
+under this project's default, ``WHOLE_PAGES``, other pages empty, and legacy loses no byte and
+records no I1 in finished-store-next-build, finish-on-stop-token and preempt-shrink.
 
 ``python -m kvcached.vllm.testing.scenarios --capture traces/`` runs every scenario under both
 policies and writes their journals: the golden traces of ``traces/``.
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from kvcached.backends.host import HostBackend
-from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
+from kvcached.kv_cache_manager import KVCacheManager, KVGeometry, Placement
 from kvcached.ledger.events import Policy
 from kvcached.ledger.ledger import Ledger
 from kvcached.vllm.engine_core.block_pool import PageAwarePool
@@ -68,6 +71,8 @@ class Kvcached:
             policy=self.policy, max_reserved_pages=self.max_reserved, max_cached_blocks=0, journal_path=self.journal
         )
         self.engine = assemble(scheduler, self.geometry, self.backends, config)
+        if self.engine.manager is not None:  # upstream's placement (above); only the null block is placed yet
+            self.engine.manager.placement = Placement.BEST_FIT
 
     @property
     def manager(self) -> KVCacheManager | None:
