@@ -74,6 +74,25 @@ def test_a_block_pool_without_a_private_name_is_refused_at_install(monkeypatch) 
     assert patches.SENTINEL not in vars(scheduler.kv_cache_manager.block_pool)  # nothing was changed
 
 
+def test_a_block_without_its_hash_field_is_refused_at_install(monkeypatch) -> None:
+    """``free_blocks`` reads ``KVCacheBlock._block_hash`` after vLLM's own free has run: a vLLM
+    without it must be refused before anything changes, not fail half-way through a free."""
+    import msgspec
+
+    # A vLLM that renamed the field (deleting a dataclass slot would break KVCacheBlock itself).
+    renamed = tuple(
+        msgspec.structs.replace(p, attrs=("_block_hash_renamed",)) if p.name == "block hash field" else p
+        for p in patches.RELIED_ON
+    )
+    monkeypatch.setattr(patches, "RELIED_ON", renamed)
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool()))
+    with pytest.raises(ConfigError) as e:
+        install_page_aware_pool(scheduler, _manager())
+    msg = str(e.value)
+    assert "\n" not in msg and "KVCacheBlock._block_hash_renamed is missing" in msg, msg
+    assert patches.SENTINEL not in vars(scheduler.kv_cache_manager.block_pool)
+
+
 def test_a_vllm_that_hands_out_other_blocks_fails_loudly(monkeypatch) -> None:
     def popright_n(self, n):  # a vLLM that takes from the tail
         blocks = self.get_all_free_blocks()[-n:]

@@ -79,9 +79,29 @@ def test_a_moved_block_is_checked_before_anything_moves(monkeypatch) -> None:
         assert [b.block_id for b in moving] == [9]
         raise RuntimeError("block 9 is in use")
 
+    marks = [False] * 16
     with pytest.raises(RuntimeError, match="block 9"):
-        pool_seam.hand_out(pool, blocks, pool.get_new_blocks, refuse, ids=[1, 9], marks=[False] * 16)
+        pool_seam.hand_out(pool, blocks, pool.get_new_blocks, refuse, ids=[1, 9], marks=marks)
     assert removed == [] and _queue_ids(pool) == list(range(1, 16))
+    assert marks == [False] * 16
+
+
+def test_a_chosen_block_missing_from_the_queue_is_checked_even_when_the_rest_is_all_of_it() -> None:
+    """The walk reaches the queue's tail sentinel (block id -1), whose mark would be the pool's
+    last block's: that block, not in the queue, must still go to ``check_free``."""
+    pool = _pool()
+    pool.free_block_queue.remove(pool.blocks[15])  # as if vLLM used it
+    chosen = list(range(1, 16))
+    checked: list[int] = []
+
+    def refuse(moving: Any) -> None:
+        checked.extend(b.block_id for b in moving)
+        raise RuntimeError("in use")
+
+    marks = [False] * 16
+    with pytest.raises(RuntimeError, match="in use"):
+        pool_seam.hand_out(pool, [pool.blocks[b] for b in chosen], pool.get_new_blocks, refuse, ids=chosen, marks=marks)
+    assert checked == [15] and marks == [False] * 16
 
 
 def test_a_vllm_that_hands_out_other_blocks_is_refused() -> None:

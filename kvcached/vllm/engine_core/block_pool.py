@@ -396,6 +396,8 @@ def install_page_aware_pool(
     patches.check_object(pool, patch)
     patches.check_object(pool, patches.by_name("pool seam"))
     patches.check_object(pool.free_block_queue, patches.by_name("free queue seam"))
+    # free_blocks reads it after vLLM's own free has run: a vLLM without it is refused here.
+    patches.check_object(pool.null_block, patches.by_name("block hash field"))
     if pool.num_gpu_blocks != manager.geometry.num_blocks:
         raise ConfigError(
             f"vLLM's block pool has {pool.num_gpu_blocks} blocks, kvcached's manager {manager.geometry.num_blocks}"

@@ -59,7 +59,7 @@ def hand_out(
     if not blocks:
         return []
     queue = pool.free_block_queue
-    moved = _to_move(queue, blocks, ids, marks)
+    moved, last = _to_move(queue, blocks, ids, marks)
     if moved:
         if check_free is not None:
             check_free(moved)
@@ -69,8 +69,9 @@ def hand_out(
     # Nothing moved: the queue's links exist (``_to_move`` read them) and it starts with ``blocks``.
     first = moved[0] if moved else queue.fake_free_list_head.next_free_block
     got = get_new_blocks(len(blocks))
-    # The head by identity, and the count: O(1), and enough to see a vLLM that pops elsewhere.
-    if len(got) != len(blocks) or got[0] is not first:
+    # First and last by identity, and the count: O(1), and enough to see a vLLM that pops
+    # elsewhere, or a run that ``_to_move`` misjudged.
+    if len(got) != len(blocks) or got[0] is not first or got[-1] is not last:
         raise SeamError(
             f"vLLM's BlockPool.get_new_blocks ({vllm_version()}) did not hand out the head of its free "
             "queue; kvcached/vllm/engine_core/pool_seam.py must follow it"
@@ -78,10 +79,13 @@ def hand_out(
     return got
 
 
-def _to_move(queue: Any, blocks: Sequence[Any], ids: list[int] | None, marks: list[bool] | None) -> list[Any]:
-    """Which of ``blocks`` to move to the head of vLLM's free queue: those not among the blocks
-    that lead it (the queue's first blocks up to the first one not in ``blocks``); none when
-    the queue starts with all of them, in any order.
+def _to_move(
+    queue: Any, blocks: Sequence[Any], ids: list[int] | None, marks: list[bool] | None
+) -> tuple[list[Any], Any]:
+    """Which of ``blocks`` to move to the head of vLLM's free queue, and the block vLLM will then
+    hand out last: those not among the blocks that lead the queue (its first blocks up to the
+    first one not in ``blocks``) are moved; none when the queue starts with all of them, in any
+    order.
 
     That is most calls (measured on benchmarks/bench_bridge.py's prefill mix): the manager
     takes fresh pages' blocks in id order, the queue's order at start, and vLLM's
@@ -94,25 +98,30 @@ def _to_move(queue: Any, blocks: Sequence[Any], ids: list[int] | None, marks: li
     head = getattr(queue, "fake_free_list_head", None)
     cur = getattr(head, "next_free_block", None)
     if cur is None:
-        return list(blocks)
+        return list(blocks), blocks[-1]
     # In order first, by identity: the common case reads one link a block and marks nothing.
     n = len(blocks)
     k = 0
+    last: Any = None
     while k < n and cur is blocks[k]:
+        last = cur
         cur = cur.next_free_block
         k += 1
     if k == n:
-        return []
+        return [], last
     if ids is None or marks is None:
-        return list(blocks[k:])
+        return list(blocks[k:]), last if k else blocks[-1]
     for i in range(k, n):
         marks[ids[i]] = True
     lead = k
+    # The queue ends in a sentinel block with id -1 (``fake_free_list_tail``), whose
+    # ``next_free_block`` is None: not a block of the pool (marks[-1] is the last one's mark).
     while lead < n and cur is not None:
         b: int = cur.block_id
-        if not marks[b]:
+        if b < 0 or not marks[b]:
             break
         marks[b] = False
+        last = cur
         cur = cur.next_free_block
         lead += 1
     moved: list[Any] = []
@@ -122,7 +131,9 @@ def _to_move(queue: Any, blocks: Sequence[Any], ids: list[int] | None, marks: li
             if marks[b]:
                 marks[b] = False
                 moved.append(blocks[i])
-    return moved
+        if not lead:
+            last = moved[-1]
+    return moved, last
 
 
 def notify_reuse(pool: Any, blocks: Sequence[Any]) -> None:
