@@ -12,50 +12,32 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 pytestmark = pytest.mark.vllm
 
-import torch  # noqa: E402
-
-from kvcached.backends.host import HostBackend  # noqa: E402
-from kvcached.kv_cache_manager import KVGeometry  # noqa: E402
 from kvcached.ledger.events import BuildBoundary  # noqa: E402
 from kvcached.ledger.journal import read_journal  # noqa: E402
-from kvcached.vllm.engine_core.engine import Engine, EngineConfig, assemble  # noqa: E402
+from kvcached.vllm.engine_core.engine import EngineConfig  # noqa: E402
 from kvcached.vllm.testing.harness import Harness, HarnessConfig  # noqa: E402
+from kvcached.vllm.testing.host_engine import HostEngine  # noqa: E402
 
 CFG = HarnessConfig(num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
 
 
 def serve(journal: Path, clock: bool) -> tuple[float, float]:
     """A few requests to the end on an engine journaling to ``journal``; the wall clock around."""
-    backends: list[HostBackend] = []
-    geometry: list[KVGeometry] = []
-    engines: list[Engine] = []
-
-    def memory(num_blocks: int, block_bytes: int) -> torch.Tensor:
-        g = KVGeometry(num_blocks=num_blocks, block_bytes=block_bytes, page_bytes=block_bytes * 4)
-        geometry.append(g)
-        backend = HostBackend(page_bytes=g.page_bytes)
-        backend.reserve(g.backend_pages)
-        backends.append(backend)
-        return backend.tensor()[: num_blocks * block_bytes].view(num_blocks, block_bytes)
-
-    def built(scheduler: Any) -> None:
-        config = EngineConfig(journal_path=str(journal), clock=clock)
-        engines.append(assemble(scheduler, geometry[0], backends, config))
-
+    kv = HostEngine(EngineConfig(journal_path=str(journal), clock=clock))
     before = time.time()
-    h = Harness(CFG, kv_memory=memory, on_scheduler_built=built)
+    h = Harness(CFG, kv_memory=kv.kv_memory, on_scheduler_built=kv.on_scheduler_built)
     for i in range(3):
         h.add_request(prompt=h.make_prompt(40, seed=i), max_tokens=3)
         h.step()
     h.run_until_idle()
-    engines[0].close()
+    h.close()
+    kv.close()
     return before, time.time()
 
 

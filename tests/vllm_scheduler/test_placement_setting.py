@@ -6,17 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from kvcached.backends.host import HostBackend  # noqa: E402
-from kvcached.kv_cache_manager import KVGeometry, Placement  # noqa: E402
+from kvcached.kv_cache_manager import Placement  # noqa: E402
 from kvcached.settings import Settings  # noqa: E402
 from kvcached.vllm.engine_core import served  # noqa: E402
-from kvcached.vllm.engine_core.engine import Engine, EngineConfig, assemble  # noqa: E402
+from kvcached.vllm.engine_core.engine import EngineConfig  # noqa: E402
 from kvcached.vllm.testing.harness import Harness, HarnessConfig  # noqa: E402
+from kvcached.vllm.testing.host_engine import HostEngine  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -44,25 +43,14 @@ def test_the_setting_reaches_the_engine_config(env: dict[str, str], rule: Placem
 
 @pytest.mark.parametrize("rule", [Placement.WHOLE_PAGES, Placement.BEST_FIT])
 def test_assemble_builds_the_manager_with_the_configured_rule(rule: Placement) -> None:
-    engines: list[Engine] = []
-    backends: list[HostBackend] = []
-    geometry: list[KVGeometry] = []
-
-    def memory(num_blocks: int, block_bytes: int) -> torch.Tensor:
-        g = KVGeometry(num_blocks=num_blocks, block_bytes=block_bytes, page_bytes=block_bytes * 4)
-        geometry.append(g)
-        backend = HostBackend(page_bytes=g.page_bytes)
-        backend.reserve(g.backend_pages)
-        backends.append(backend)
-        return backend.tensor()[: num_blocks * block_bytes].view(num_blocks, block_bytes)
-
-    def built(scheduler: Any) -> None:
-        engines.append(assemble(scheduler, geometry[0], backends, EngineConfig(placement=rule)))
-
-    h = Harness(HarnessConfig(num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=256), kv_memory=memory,
-                on_scheduler_built=built)
+    kv = HostEngine(EngineConfig(placement=rule))
+    h = Harness(
+        HarnessConfig(num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=256),
+        kv_memory=kv.kv_memory,
+        on_scheduler_built=kv.on_scheduler_built,
+    )
     try:
-        manager = engines[0].manager
+        manager = kv.e.manager
         assert manager is not None and manager.placement is rule
         # A run of two pages' worth on a fresh pool: whole pages of its own, or the lowest holes.
         got = manager.alloc(8)
@@ -70,5 +58,4 @@ def test_assemble_builds_the_manager_with_the_configured_rule(rule: Placement) -
         assert pages == ([1, 2] if rule is Placement.WHOLE_PAGES else [0, 1, 2])
     finally:
         h.close()
-        for e in engines:
-            e.close()
+        kv.close()

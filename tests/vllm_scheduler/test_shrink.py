@@ -13,49 +13,25 @@ of available pages (B's scheduler is promised pages the budget does not have).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 pytestmark = pytest.mark.vllm
 
-import torch  # noqa: E402
-
-from kvcached.backends.host import HostBackend  # noqa: E402
-from kvcached.kv_cache_manager import KVGeometry  # noqa: E402
-from kvcached.vllm.engine_core.engine import Engine, EngineConfig, assemble  # noqa: E402
+from kvcached.vllm.engine_core.engine import EngineConfig  # noqa: E402
 from kvcached.vllm.testing.harness import Harness, HarnessConfig  # noqa: E402
+from kvcached.vllm.testing.host_engine import HostEngine  # noqa: E402
 
 PAGE_BLOCKS = 4
 CFG = HarnessConfig(num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=512)
 
 
-class Elastic:
+class Elastic(HostEngine):
     """One harness with kvcached under it, the prefix cache uncapped unless told."""
 
     def __init__(self, config: EngineConfig, cfg: HarnessConfig = CFG) -> None:
-        self.config = config
-        self.backends: list[HostBackend] = []
-        self.geometry: KVGeometry | None = None
-        self.engine: Engine | None = None
-        self.h = Harness(cfg, kv_memory=self._memory, on_scheduler_built=self._built)
-
-    def _memory(self, num_blocks: int, block_bytes: int) -> torch.Tensor:
-        self.geometry = g = KVGeometry(num_blocks=num_blocks, block_bytes=block_bytes, page_bytes=block_bytes * 4)
-        backend = HostBackend(page_bytes=g.page_bytes)
-        backend.reserve(g.backend_pages)
-        self.backends.append(backend)
-        return backend.tensor()[: num_blocks * block_bytes].view(num_blocks, block_bytes)
-
-    def _built(self, scheduler: Any) -> None:
-        assert self.geometry is not None
-        self.engine = assemble(scheduler, self.geometry, self.backends, self.config)
-
-    @property
-    def e(self) -> Engine:
-        assert self.engine is not None
-        return self.engine
+        super().__init__(config, page_blocks=PAGE_BLOCKS)
+        self.h = Harness(cfg, kv_memory=self.kv_memory, on_scheduler_built=self.on_scheduler_built)
 
     def fill_cache(self, n: int = 6, seed: int = 0) -> list[list[int]]:
         """Serve ``n`` distinct prompts to the end: their blocks stay in the prefix cache."""
@@ -83,10 +59,7 @@ class Elastic:
             return
         self.h.close()
         self.h = None  # type: ignore[assignment]
-        if self.engine is not None:
-            self.engine.close()
-        for b in self.backends:
-            b.close()
+        super().close()
 
 
 @pytest.fixture
