@@ -59,15 +59,13 @@ def hand_out(
     if not blocks:
         return []
     queue = pool.free_block_queue
-    moved, last = _to_move(queue, blocks, ids, marks)
+    moved, first, last = _to_move(queue, blocks, ids, marks)
     if moved:
         if check_free is not None:
             check_free(moved)
         for block in moved:
             queue.remove(block)
         queue.prepend_n(moved)
-    # Nothing moved: the queue's links exist (``_to_move`` read them) and it starts with ``blocks``.
-    first = moved[0] if moved else queue.fake_free_list_head.next_free_block
     got = get_new_blocks(len(blocks))
     # First and last by identity, and the count: O(1), and enough to see a vLLM that pops
     # elsewhere, or a run that ``_to_move`` misjudged.
@@ -81,9 +79,9 @@ def hand_out(
 
 def _to_move(
     queue: Any, blocks: Sequence[Any], ids: list[int] | None, marks: list[bool] | None
-) -> tuple[list[Any], Any]:
-    """Which of ``blocks`` to move to the head of vLLM's free queue, and the block vLLM will then
-    hand out last: those not among the blocks that lead the queue (its first blocks up to the
+) -> tuple[list[Any], Any, Any]:
+    """Which of ``blocks`` to move to the head of vLLM's free queue, and the blocks vLLM will then
+    hand out first and last: those not among the blocks that lead the queue (its first blocks up to the
     first one not in ``blocks``) are moved; none when the queue starts with all of them, in any
     order.
 
@@ -98,7 +96,8 @@ def _to_move(
     head = getattr(queue, "fake_free_list_head", None)
     cur = getattr(head, "next_free_block", None)
     if cur is None:
-        return list(blocks), blocks[-1]
+        return list(blocks), blocks[0], blocks[-1]
+    lead_block = cur  # what vLLM hands out first when nothing moves
     # In order first, by identity: the common case reads one link a block and marks nothing.
     n = len(blocks)
     k = 0
@@ -108,9 +107,9 @@ def _to_move(
         cur = cur.next_free_block
         k += 1
     if k == n:
-        return [], last
+        return [], lead_block, last
     if ids is None or marks is None:
-        return list(blocks[k:]), last if k else blocks[-1]
+        return list(blocks[k:]), blocks[k], last if k else blocks[-1]
     for i in range(k, n):
         marks[ids[i]] = True
     lead = k
@@ -133,7 +132,7 @@ def _to_move(
                 moved.append(blocks[i])
         if not lead:
             last = moved[-1]
-    return moved, last
+    return moved, moved[0] if moved else lead_block, last
 
 
 def notify_reuse(pool: Any, blocks: Sequence[Any]) -> None:
