@@ -82,3 +82,17 @@ ensure_cpu_env() {
         'import vllm, transformers, kvcached.vllm.plugin; assert vllm.__version__.startswith("0.32.0"), vllm.__version__' \
         _cpu_steps
 }
+
+# SGLang 0.5.23 lives in .venv-sglang, beside its pinned torch 2.14.1 and torchvision 0.29.1 (CUDA
+# builds that import on a CPU-only machine; SGLang's configs import torchvision, whose PyPI wheel
+# does not load next to the CPU torch 2.13.0 above). sglang itself goes in --no-deps with the
+# import closure in scripts/sglang-requirements.txt: its GPU kernel packages (sglang-kernel,
+# flashinfer, deep-gemm, ...) are gigabytes this machine cannot run.
+_sglang_steps() {
+    "$1" -m pip install -q torch==2.14.1 torchvision==0.29.1 triton==3.8.0 &&
+        "$1" -m pip install -q --no-deps sglang==0.5.23 -r scripts/sglang-requirements.txt
+}
+ensure_sglang_env() {
+    ensure_venv .venv-sglang \
+        'import sglang, kvcached.sglang; assert sglang.__version__ == "0.5.23", sglang.__version__' _sglang_steps
+}

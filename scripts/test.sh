@@ -9,7 +9,9 @@
 #      on vLLM's real Scheduler and OffloadingConnector; then vLLM 0.33.0's own tests of its block
 #      pool, KV cache managers, prefix caching, scheduler and connector, alone and under kvcached
 #      (scripts/vllm-conformance.sh fetches them from vLLM's source distribution on the index);
-#   4. .venv-cpu (vLLM's CPU build 0.32.0): the plugin's startup checks and KV layouts, the same
+#   4. .venv-sglang (SGLang 0.5.23): kvcached's pages under SGLang's real KV pool, token allocator,
+#      HiCache host pool and HiCacheController, copies deferred by a stand-in (tests/sglang_engine);
+#   5. .venv-cpu (vLLM's CPU build 0.32.0): the plugin's startup checks and KV layouts, the same
 #      scenarios on 0.32.0, and `vllm serve` end to end (native vs kvcached, both policies).
 # Extra arguments go to the first pytest run.
 source "$(dirname "$0")/_env.sh"
@@ -33,6 +35,9 @@ KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv-vllm/bin/python -P -m
     tests/vllm_scheduler/test_pool_seam.py
 echo "--- vLLM 0.33.0's own tests (block pool, KV cache managers, prefix caching, scheduler, OffloadingConnector): alone, then under kvcached"
 bash scripts/vllm-conformance.sh
+echo "--- SGLang 0.5.23 (KV pool, token allocator, HiCache host pool and controller) with kvcached underneath"
+ensure_sglang_env
+.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang_engine
 echo "--- vLLM's CPU build 0.32.0: the scenarios again, the plugin, and vllm serve end to end"
 ensure_cpu_env
 .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler tests/serve

@@ -1,0 +1,73 @@
+"""SGLang's token allocator with kvcached choosing the slots, so that pages empty and go back.
+
+SGLang's ``TokenToKVPoolAllocator`` (``mem_cache/allocator/token.py``, page_size 1) keeps its
+free slots in a tensor and hands out its head; freed slots go to its tail. Slots of one request
+end up spread over the whole pool and no page ever empties. This subclass asks the engine's
+``KVCacheManager`` instead, which packs a request's slots onto pages of its own and records every
+alloc and free in the ledger; a page is unmapped when the ledger lets it go.
+
+SGLang's free groups are kept as its base class defines them (``free_group_begin`` /
+``free_group_end``, ``allocator/base.py``): a free inside a group is held and freed at the end,
+in one ``free``. ``clear`` (``Scheduler.flush_cache``) frees every slot but the padding slot, so
+that the ledger sees the frees a reset makes. The subclass replaces SGLang's class through its
+plugin hooks (``kvcached.sglang.hooks``), so the pool builder picks it without a change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+from ..errors import ConfigError
+from .engine import SglangEngine, engine_of
+
+
+class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # SGLang is untyped here
+    """``TokenToKVPoolAllocator`` over a kvcached pool: slots are the engine's blocks."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
+        engine = engine_of(kvcache)
+        if engine is None:
+            raise ConfigError("kvcached under SGLang: the token allocator's KV pool is not on kvcached pages")
+        if engine.page_size != 1:
+            raise ConfigError(f"kvcached under SGLang: page_size {engine.page_size} needs the paged allocator")
+        self._engine: SglangEngine = engine
+        super().__init__(size, dtype, device, kvcache, need_sort)
+
+    def clear(self) -> None:
+        engine: SglangEngine | None = getattr(self, "_engine", None)
+        self.free_group = None
+        self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if engine is None:  # SGLang's __init__ calls clear() before anything is allocated
+            return
+        manager = engine.manager
+        held = [b for b in range(1, manager.geometry.num_blocks) if manager.holds(b)]
+        engine.bridge.cache_reset()
+        if held:
+            manager.free(held)
+        manager.drain_releasable()
+
+    def available_size(self) -> int:
+        return self._engine.manager.available_size()
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        manager = self._engine.manager
+        if need_size > manager.available_size():
+            return None
+        return torch.tensor(manager.alloc(need_size), dtype=torch.int64, device=self.device)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:
+            self.free_group.append(self._copy_for_free_group(free_index))
+            return
+        manager = self._engine.manager
+        manager.free(free_index.tolist())
+        manager.drain_releasable()
+
+    def merge_and_sort_free(self) -> None:
+        pass  # the manager keeps no unsorted release list

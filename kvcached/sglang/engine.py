@@ -1,0 +1,163 @@
+"""kvcached under one SGLang KV pool: its memory on elastic pages, its ledger, its journal.
+
+SGLang's ``MHATokenToKVPool`` owns one K and one V tensor per layer, indexed by token slot
+(``memory_pool.py``, ``_create_buffers_normal``), and its allocators hand out slot indices
+(``TokenToKVPoolAllocator``, page_size 1). kvcached puts those tensors on pages: a *block* is one
+SGLang page (``page_size`` slots, one slot at page_size 1), every layer's K and every layer's V is
+a region of its own (the per-layer layout, ``Layout.PER_LAYER``), and logical page ``p`` is
+mapped in all ``2 * layer_num`` regions at once. Block 0 is SGLang's padding slot, which padded
+tokens write into; it is taken at start and never freed, so its page stays mapped.
+
+The same core serves vLLM: ``KVCacheManager`` chooses blocks and records every alloc and free,
+the ledger decides what may be unmapped, the journal has the format ``kvreplay`` reads. What is
+SGLang's here is the geometry (read from the pool's own fields) and the header's producer, which
+names SGLang and its version, so that a reader knows which engine wrote a trace
+(``events.engine_name``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..backends import make_backend
+from ..backends.base import Backend
+from ..errors import ConfigError
+from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout, Placement
+from ..ledger.events import Header, Policy
+from ..ledger.recorder import Recorder
+from ..page_size import mib
+from ..version import KVCACHED_VERSION
+from .bridge import Bridge
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("sglang.kvcached")
+
+# What kvcached adds to an SGLang pool: its engine, found by the allocator and the hooks.
+ENGINE_ATTR = "_kvcached_engine"
+
+
+class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What differs between the SGLang engines kvcached builds (tests choose; a server reads settings)."""
+
+    policy: Policy = Policy.LEDGER
+    page_bytes: int = 2 << 20
+    backend: str = "auto"  # kvcached.backends.make_backend: "cuda", "host" or "auto"
+    max_reserved_pages: int = 0
+    placement: Placement = Placement.WHOLE_PAGES
+    journal_path: str | None = None
+
+
+def sglang_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+def pool_geometry(pool: Any, page_bytes: int) -> KVGeometry:
+    """The geometry of SGLang pool ``pool`` (an ``MHATokenToKVPool`` being built): one block per
+    SGLang page, ``size // page_size + 1`` of them (page 0 is the padding page), one region per
+    layer's K and per layer's V."""
+    page_size: int = pool.page_size
+    rows = pool.size + page_size
+    if pool.v_head_dim != pool.head_dim:
+        raise ConfigError(
+            f"kvcached under SGLang: K and V heads of different widths ({pool.head_dim}, {pool.v_head_dim}) "
+            "are not supported yet"
+        )
+    if pool.kv_cache_layout not in ("nhd", None):
+        raise ConfigError(
+            f"kvcached under SGLang: KV cache layout {pool.kv_cache_layout!r} is not supported (nhd only)"
+        )
+    block_bytes = page_size * pool.head_num * pool.head_dim * pool.store_dtype.itemsize
+    if page_bytes % block_bytes:
+        # A region must be a plain array of slots for SGLang's kernels to index it, so a page
+        # holds whole blocks and nothing else.
+        raise ConfigError(
+            f"kvcached under SGLang: a {page_bytes:,}-byte page does not hold whole blocks of {block_bytes:,} bytes "
+            f"({page_size} token(s) x {pool.head_num} heads x {pool.head_dim} x {pool.store_dtype}); "
+            f"choose KVCACHED_PAGE_SIZE_MB as a multiple of {mib(block_bytes)}"
+        )
+    return KVGeometry(
+        num_blocks=rows // page_size,
+        block_bytes=block_bytes,
+        page_bytes=page_bytes,
+        num_layers=2 * pool.layer_num,
+        layout=Layout.PER_LAYER,
+    )
+
+
+class SglangEngine:
+    """kvcached under one SGLang KV pool: backend, manager (with its ledger) and bridge."""
+
+    def __init__(self, pool: Any, config: SglangConfig) -> None:
+        self.config = config
+        self.geometry = g = pool_geometry(pool, config.page_bytes)
+        self.page_size: int = pool.page_size
+        self.pool = pool  # the SGLang pool whose slots are this engine's blocks
+        header = Header(
+            page_bytes=g.page_bytes,
+            pools=(g.pool(),),
+            # Each SGLang tensor-parallel rank is a scheduler process with its own pool, so
+            # its own engine and journal: one worker acknowledges each copy.
+            workers=1,
+            policy=config.policy,
+            producer={"sglang": sglang_version(), "kvcached": KVCACHED_VERSION},
+        )
+        self.recorder = Recorder.for_header(header, journal_path=config.journal_path)
+        self.backend: Backend = make_backend(config.backend, page_bytes=g.page_bytes)
+        try:
+            self.manager = KVCacheManager(
+                g,
+                self.backend,
+                self.recorder,
+                max_reserved=config.max_reserved_pages,
+                placement=config.placement,
+            )
+            # SGLang's padding page: padded tokens write into slot 0 (``TokenToKVPoolAllocator.clear``).
+            self.manager.take([0])
+        except BaseException:
+            self.backend.close()
+            self.recorder.close()
+            raise
+        self.bridge = Bridge(self.recorder, self.manager, pool, self.page_size)
+        self.closed = False
+
+    @property
+    def ledger(self) -> Any:
+        return self.recorder.ledger
+
+    def buffers(self, dtype: torch.dtype, rows: int, row_shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+        """Per-layer K and V tensors of ``rows`` slots on kvcached's range: region ``2l`` is layer
+        ``l``'s K, region ``2l + 1`` its V."""
+        g = self.geometry
+        whole = self.backend.tensor()
+        region = g.num_pages * g.page_bytes
+        row_bytes = g.block_bytes // self.page_size
+        k: list[Any] = []
+        v: list[Any] = []
+        for layer in range(g.num_layers // 2):
+            for r, out in ((2 * layer, k), (2 * layer + 1, v)):
+                start = r * region
+                out.append(whole[start : start + rows * row_bytes].view(dtype).view(rows, *row_shape))
+        return k, v
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.recorder.close()
+        self.backend.close()
+
+
+def engine_of(obj: Any) -> SglangEngine | None:
+    """The engine behind an SGLang pool, or behind an allocator or controller over one."""
+    for candidate in (obj, getattr(obj, "_kvcache", None), getattr(obj, "mem_pool_device", None)):
+        engine = getattr(candidate, ENGINE_ATTR, None) if candidate is not None else None
+        if isinstance(engine, SglangEngine):
+            return engine
+    return None

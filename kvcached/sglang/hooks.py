@@ -1,0 +1,213 @@
+"""Every change kvcached makes to SGLang, declared once and installed through SGLang's own hooks.
+
+SGLang has a plugin interface (``sglang/srt/plugins``): a general plugin, named in the
+``sglang.srt.plugins`` entry-point group, runs in every SGLang process (the scheduler
+subprocess's ``run_scheduler_process`` calls ``load_plugins`` first) and registers hooks with
+``HookRegistry``: AROUND a function, or REPLACE of a class, which ``_propagate_patch`` also
+rebinds where a module imported it by name. kvcached uses only that: ``PATCHES`` lists each
+target with the SGLang function it relies on, ``check`` refuses in one line an SGLang that moved
+one (before anything is changed), and ``install`` registers the hooks and applies them.
+
+Every AROUND hook looks up the kvcached engine of the object it is called on
+(``engine.engine_of``) and, finding none, calls SGLang's function as it is: pools built while
+kvcached is not enabled stay SGLang's. The class replacement (the allocator) is registered only
+by ``enable``, which a server's plugin calls when kvcached is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Final
+
+import msgspec
+
+from ..errors import ConfigError
+from ..ledger.events import JobKind
+from .engine import ENGINE_ATTR, SglangConfig, SglangEngine, engine_of
+
+log = logging.getLogger("sglang.kvcached")
+
+# The SGLang releases every target below was read in and tested on.
+KNOWN: Final = ("0.5.23",)
+
+
+class Patch(msgspec.Struct, frozen=True):
+    """``module.owner.attr``, wrapped AROUND (``attr``) or REPLACEd (a class: ``owner`` None)."""
+
+    module: str
+    owner: str | None
+    attr: str
+    why: str
+
+    @property
+    def target(self) -> str:
+        return ".".join(x for x in (self.module, self.owner, self.attr) if x)
+
+
+_POOL = "sglang.srt.mem_cache.memory_pool"
+_L2 = "sglang.srt.mem_cache.l2_transfer"
+_SCHEDULER = "sglang.srt.managers.scheduler"
+_TOKEN = "sglang.srt.mem_cache.allocator.token"
+
+PATCHES: Final = (
+    Patch(
+        _POOL,
+        "MHATokenToKVPool",
+        "_create_buffers_normal",
+        "allocates the per-layer K and V tensors (torch.zeros); kvcached's are views of its page range",
+    ),
+    Patch(
+        _L2,
+        "L2TransferEngine",
+        "submit_device_to_host",
+        "HiCacheController.start_writing's one D->H copy submission; its TransferCompletion.finish_event is the ack",
+    ),
+    Patch(
+        _L2, "L2TransferEngine", "submit_host_to_device", "HiCacheController.start_loading's one H->D copy submission"
+    ),
+    Patch(
+        _SCHEDULER,
+        "Scheduler",
+        "get_next_batch_to_run",
+        "one scheduler step; it starts by draining HiCache's acks (_process_hicache_events)",
+    ),
+    Patch(
+        _TOKEN,
+        None,
+        "TokenToKVPoolAllocator",
+        "KVCacheConfigurator._build_token_to_kv_pool_allocator builds it for page_size 1",
+    ),
+)
+
+
+def check() -> None:
+    """Refuse, in one line, an SGLang that lacks a target (nothing is changed before)."""
+    version = _version()
+    for p in PATCHES:
+        try:
+            owner: Any = importlib.import_module(p.module)
+            if p.owner is not None:
+                owner = getattr(owner, p.owner)
+            getattr(owner, p.attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(
+                f"kvcached cannot run under SGLang {version}: {p.target} is missing ({e}); "
+                f"known to work: SGLang {', '.join(KNOWN)}"
+            ) from None
+
+
+def _version() -> str:
+    try:
+        from .engine import sglang_version
+
+        return sglang_version()
+    except Exception:
+        return "(unknown version)"
+
+
+# --- the hooks ------------------------------------------------------------------------------
+
+_config: SglangConfig | None = None
+
+
+def _create_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
+    if _config is None:
+        return original(pool, *args, **kwargs)
+    engine = SglangEngine(pool, _config)
+    setattr(pool, ENGINE_ATTR, engine)
+    rows = pool.size + pool.page_size
+    pool.k_buffer, pool.v_buffer = engine.buffers(pool.store_dtype, rows, (pool.head_num, pool.head_dim))
+    log.info("[kvcached] SGLang KV pool on elastic pages: %s", engine.manager.state().describe())
+    return None
+
+
+def _submit(kind: JobKind) -> Any:
+    def hook(original: Any, l2: Any, transfers: Any, *args: Any, **kwargs: Any) -> Any:
+        completion = original(l2, transfers, *args, **kwargs)
+        for t in transfers:
+            engine = engine_of(t.device_pool)
+            if engine is not None:
+                return engine.bridge.submitted(kind, transfers, completion)
+        return completion
+
+    return hook
+
+
+def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    engine = engine_of(getattr(scheduler, "token_to_kv_pool_allocator", None))
+    if engine is not None:
+        engine.bridge.step()
+    return original(scheduler, *args, **kwargs)
+
+
+def install() -> None:
+    """Register and apply the AROUND hooks (idempotent); they act on kvcached's pools only."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    global _installed
+    if _installed:
+        return
+    check()
+    around = {
+        "_create_buffers_normal": _create_buffers,
+        "submit_device_to_host": _submit(JobKind.STORE),
+        "submit_host_to_device": _submit(JobKind.LOAD),
+        "get_next_batch_to_run": _step,
+    }
+    before = {p.target: _resolve(p) for p in PATCHES if p.owner is not None}
+    for p in PATCHES:
+        if p.owner is not None:
+            HookRegistry.register(p.target, around[p.attr], HookType.AROUND)
+    HookRegistry.apply_hooks()
+    # apply_hooks logs a target it fails to patch and goes on; kvcached must not half-install.
+    missed = [t for t, fn in before.items() if _resolve_target(t) is fn]
+    if missed:
+        raise ConfigError(f"kvcached under SGLang: SGLang's HookRegistry did not apply {', '.join(missed)}")
+    _installed = True
+
+
+def _resolve(p: Patch) -> Any:
+    return _resolve_target(p.target)
+
+
+def _resolve_target(target: str) -> Any:
+    import pkgutil
+
+    return pkgutil.resolve_name(target)
+
+
+_installed = False
+
+
+def enable(config: SglangConfig) -> None:
+    """kvcached under every KV pool this process builds from now on (a server's plugin)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .allocator import KvcachedTokenAllocator
+
+    global _config
+    install()
+    _config = config
+    HookRegistry.register(f"{_TOKEN}.TokenToKVPoolAllocator", KvcachedTokenAllocator, HookType.REPLACE)
+    HookRegistry.apply_hooks()
+
+
+def disable() -> None:
+    """Pools built from now on are SGLang's own (tests)."""
+    global _config
+    _config = None
+
+
+@contextmanager
+def pools_on_kvcached(config: SglangConfig) -> Iterator[None]:
+    """KV pools built inside the block are on kvcached pages (tests build their allocator)."""
+    global _config
+    install()
+    saved, _config = _config, config
+    try:
+        yield
+    finally:
+        _config = saved
