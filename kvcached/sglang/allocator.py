@@ -65,9 +65,7 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        manager = self._engine.manager
-        manager.free(free_index.tolist())
-        manager.drain_releasable()
+        self._engine.bridge.free(free_index.tolist())
 
     def merge_and_sort_free(self) -> None:
         pass  # the manager keeps no unsorted release list

@@ -22,7 +22,7 @@ pages stay pinned, mapped under the freed slots, and each scheduler step polls i
 pin ends when the copy does rather than never (I4). A scheduler step
 (``Scheduler.get_next_batch_to_run``, which starts by draining HiCache's acks) is a build
 boundary: a page emptied by a free waits for the next one, for the forward pass of the step
-that freed it.
+that freed it; under overlap scheduling a free is recorded one boundary late (``hold_frees``).
 """
 
 from __future__ import annotations
@@ -87,6 +87,13 @@ class Bridge:
         # Planted-bug switch for the tests (``tests/sglang``): without the poll, a copy whose
         # acknowledgement a reset dropped pins its pages for ever (I4).
         self.poll_orphans = True
+        # Overlap scheduling (``Scheduler.event_loop_overlap``): step k's results are processed,
+        # and its finished requests freed, after step k + 1's forward is launched, which may still
+        # read those slots (it was built before they finished) until step k + 1's results are
+        # processed, after the next boundary. So a free is held until the boundary after it and
+        # recorded then: its grace ends one boundary later, when that forward is done.
+        self.hold_frees = False
+        self.held: list[int] = []
 
     # --- scheduler ----------------------------------------------------------------------------
 
@@ -94,7 +101,18 @@ class Bridge:
         """A scheduler step begins: the previous one's forward pass is done."""
         self.recorder.emit(BuildBoundary(self.build, self.recorder.stamp()))
         self.build += 1
+        if self.held:
+            held, self.held = self.held, []
+            self.manager.free(held)
         self.poll()
+        self.manager.drain_releasable()
+
+    def free(self, slots: list[int]) -> None:
+        """The allocator frees ``slots`` (blocks, at page_size 1)."""
+        if self.hold_frees:
+            self.held += slots
+            return
+        self.manager.free(slots)
         self.manager.drain_releasable()
 
     # --- HiCache copies -----------------------------------------------------------------------
@@ -137,5 +155,6 @@ class Bridge:
             event.query()
 
     def cache_reset(self) -> None:
-        """The allocator is about to free every slot (``flush_cache``'s ``clear``)."""
+        """The allocator is about to free every slot (``flush_cache``'s ``clear``), held ones too."""
+        self.held = []
         self.recorder.emit(PrefixCacheReset())

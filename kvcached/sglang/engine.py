@@ -63,6 +63,10 @@ def pool_geometry(pool: Any, page_bytes: int) -> KVGeometry:
     SGLang page, ``size // page_size + 1`` of them (page 0 is the padding page), one region per
     layer's K and per layer's V."""
     page_size: int = pool.page_size
+    if page_size != 1:
+        # Only TokenToKVPoolAllocator (page_size 1, SGLang's default) is kvcached's yet; the
+        # paged allocator would hand out slots the ledger never hears of.
+        raise ConfigError(f"kvcached under SGLang: --page-size {page_size} is not supported yet (use 1, the default)")
     rows = pool.size + page_size
     if pool.v_head_dim != pool.head_dim:
         raise ConfigError(

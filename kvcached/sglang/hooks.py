@@ -116,7 +116,11 @@ _config: SglangConfig | None = None
 def _create_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
     if _config is None:
         return original(pool, *args, **kwargs)
-    engine = SglangEngine(pool, _config)
+    try:
+        engine = SglangEngine(pool, _config)
+    except ConfigError as e:
+        # Raised inside SGLang's scheduler process, which logs an exception with its traceback.
+        raise SystemExit(str(e) if str(e).startswith("kvcached") else f"kvcached: {e}") from None
     setattr(pool, ENGINE_ATTR, engine)
     rows = pool.size + pool.page_size
     pool.k_buffer, pool.v_buffer = engine.buffers(pool.store_dtype, rows, (pool.head_num, pool.head_dim))
@@ -139,6 +143,7 @@ def _submit(kind: JobKind) -> Any:
 def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     engine = engine_of(getattr(scheduler, "token_to_kv_pool_allocator", None))
     if engine is not None:
+        engine.bridge.hold_frees = bool(getattr(scheduler, "enable_overlap", False))
         engine.bridge.step()
     return original(scheduler, *args, **kwargs)
 

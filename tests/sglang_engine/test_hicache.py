@@ -16,19 +16,17 @@ import torch
 from kvcached.ledger.events import Policy
 from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
-from kvcached.sglang.engine import SglangConfig
+from kvcached.sglang.testing.scenarios import config, flush_under_backup
 from kvcached.sglang.testing.stack import HiCacheStack, same
-
-PAGE = 4096  # 64 slots of 2 heads x 8 x fp32 per page and region
 
 
 @pytest.fixture
 def make(tmp_path):
     stacks: list[HiCacheStack] = []
 
-    def build(policy: Policy, **kw) -> HiCacheStack:
+    def build(policy: Policy) -> HiCacheStack:
         journal = str(tmp_path / f"{policy.value}-{len(stacks)}.kvj")
-        s = HiCacheStack(SglangConfig(policy=policy, page_bytes=PAGE, backend="host", journal_path=journal, **kw))
+        s = HiCacheStack(config(policy, journal))
         stacks.append(s)
         return s
 
@@ -41,23 +39,9 @@ def _invariants(stack: HiCacheStack) -> set[str]:
     return {v.invariant for v in stack.engine.ledger.violations}
 
 
-def _flush_under_backup(stack: HiCacheStack) -> tuple[dict, dict]:
-    stack.step()
-    slots = stack.allocator.alloc(128)  # two whole pages of their own (WHOLE_PAGES)
-    written = stack.fill(slots, seed=1)
-    host_slots = stack.controller.write(slots)  # write-through: the D->H copy is submitted, not done
-    assert host_slots is not None and stack.copies.pending == 1
-    stack.step()
-    stack.flush()  # the server went idle: /flush_cache
-    stack.step()
-    stack.copies.run()  # the copy engine gets to it
-    stack.step()
-    return written, stack.host_bytes(host_slots)
-
-
 def test_legacy_unmaps_under_the_copy(make):
     stack = make(Policy.LEGACY)
-    written, copied = _flush_under_backup(stack)
+    written, copied = flush_under_backup(stack)
     assert not same(written, copied)
     assert all(torch.count_nonzero(t) == 0 for t in copied.values()), "the copy read the unmapped pages' zeros"
     assert "I1" in _invariants(stack)
@@ -86,7 +70,7 @@ def test_without_the_poll_the_pin_never_ends(make):
     """The planted bug: the bridge forgets copies whose ack the reset dropped."""
     stack = make(Policy.LEDGER)
     stack.engine.bridge.poll_orphans = False
-    written, copied = _flush_under_backup(stack)
+    written, copied = flush_under_backup(stack)
     assert same(written, copied)
     for _ in range(20):
         stack.step()
@@ -127,7 +111,7 @@ def test_backup_evict_load_back(make, policy):
 def test_the_journal_replays_to_the_same_findings(make, policy):
     """The journal has the vLLM engine's format; replayed, it gives what the live ledger found."""
     stack = make(policy)
-    _flush_under_backup(stack)
+    flush_under_backup(stack)
     live = [(v.invariant, v.code, v.index) for v in stack.engine.ledger.violations]
     stack.engine.recorder.close()
     contents = read_journal(stack.engine.config.journal_path)
@@ -137,3 +121,23 @@ def test_the_journal_replays_to_the_same_findings(make, policy):
         ledger.apply(ev)
     assert [(v.invariant, v.code, v.index) for v in ledger.violations] == live
     assert ("I1" in {v[0] for v in live}) == (policy is Policy.LEGACY)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_freed_page_outlives_the_forward_that_may_read_it(make, overlap):
+    """Without overlap, step k's results (and frees) come after its forward: the page may go at
+    the next boundary. With overlap, step k + 1's forward is already running and may read the
+    slots, so the page stays one boundary more (``Bridge.hold_frees``)."""
+    stack = make(Policy.LEDGER)
+    stack.engine.bridge.hold_frees = overlap
+    stack.step()
+    slots = stack.allocator.alloc(128)
+    stack.step()
+    assert stack.mapped_pages == 3
+    stack.allocator.free(slots)  # process_batch_result of the step the requests finished in
+    assert stack.engine.manager.num_allocated == (129 if overlap else 1)
+    stack.step()  # the next step: its forward may read them under overlap
+    assert stack.mapped_pages == (3 if overlap else 1)
+    stack.step()
+    assert stack.mapped_pages == 1
+    assert _invariants(stack) == set()

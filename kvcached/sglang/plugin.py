@@ -1,0 +1,54 @@
+"""The SGLang plugin: with ``ENABLE_KVCACHED=1``, every SGLang KV pool of the process is on kvcached pages.
+
+SGLang runs the functions of its ``sglang.srt.plugins`` entry-point group (``load_plugins``,
+``sglang/srt/plugins/__init__.py``) early in each of its processes, the scheduler subprocess
+included (``run_scheduler_process``), and applies the hooks they registered; ``SGLANG_PLUGINS``
+may narrow the set by name (this one is ``kvcached``). Without the variable ``register``
+returns at once and SGLang runs as shipped. With it, the settings are upstream kvcached's
+variables (``settings.Settings``), the patch table is checked and the hooks installed
+(``hooks.enable``). A malformed setting or an SGLang whose targets moved ends the process with
+one line: ``load_plugins`` logs an ``Exception`` with its traceback and goes on, so the refusal
+is a ``SystemExit``, which it lets through.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from ..errors import ConfigError
+from ..kv_cache_manager import Placement
+from ..settings import Settings
+from .engine import SglangConfig
+
+_installed: SglangConfig | None = None
+
+
+def config_from(settings: Settings) -> SglangConfig:
+    """The engine's configuration from the settings: what SGLang's pools are built with."""
+    return SglangConfig(
+        policy=settings.policy,
+        page_bytes=settings.page_bytes,
+        backend=settings.backend,
+        max_reserved_pages=settings.max_reserved_pages,
+        placement=Placement(settings.placement),
+        journal_path=settings.journal,
+    )
+
+
+def register() -> None:
+    """SGLang's entry point; idempotent, and a no-op unless ``ENABLE_KVCACHED`` is set."""
+    global _installed
+    try:
+        if not Settings.enabled_in() or _installed is not None:
+            return
+        config = config_from(Settings.from_env())
+        from . import hooks
+
+        hooks.enable(config)
+    except ConfigError as e:
+        _refuse(str(e))
+    _installed = config
+
+
+def _refuse(message: str) -> NoReturn:
+    raise SystemExit(message if message.startswith("kvcached") else f"kvcached: {message}")

@@ -1,0 +1,58 @@
+"""The plugin through SGLang's own loader: ``load_plugins`` finds kvcached's entry point and,
+with ``ENABLE_KVCACHED=1``, SGLang's pool builder gets kvcached's pages and allocator."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+PROBE = textwrap.dedent(
+    """
+    import warnings; warnings.filterwarnings("ignore")
+    import torch
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.mem_cache.allocator import token
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from kvcached.sglang.engine import engine_of
+    pool = MHATokenToKVPool(size=255, page_size=PAGE_SIZE, dtype=torch.float32, head_num=2, head_dim=8,
+                            layer_num=2, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    alloc = token.TokenToKVPoolAllocator(255, torch.float32, "cpu", pool, need_sort=False)
+    engine = engine_of(pool)
+    print(type(alloc).__name__, engine is not None and engine.backend.kind,
+          engine is not None and engine.ledger.header.policy.value)
+    """
+)
+
+
+def _probe(env: dict[str, str], page_size: int = 1) -> subprocess.CompletedProcess[str]:
+    code = PROBE.replace("PAGE_SIZE", str(page_size))
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+    full.update({"KVCACHED_PAGE_SIZE_MB": "", **env})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+
+
+def test_enabled_the_pool_and_allocator_are_kvcached() -> None:
+    done = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host", "KVCACHED_LEDGER_POLICY": "legacy"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["KvcachedTokenAllocator", "host", "legacy"]
+
+
+def test_off_sglang_runs_as_shipped() -> None:
+    done = _probe({})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["TokenToKVPoolAllocator", "False", "False"]
+
+
+def test_a_bad_setting_or_page_size_is_refused_in_one_line() -> None:
+    bad = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_LEDGER_POLICY": "sometimes"})
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1].startswith("kvcached: KVCACHED_LEDGER_POLICY")
+    assert "Traceback" not in bad.stderr
+    paged = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host"}, page_size=16)
+    assert paged.returncode != 0
+    assert paged.stderr.strip().splitlines()[-1] == (
+        "kvcached under SGLang: --page-size 16 is not supported yet (use 1, the default)"
+    )
