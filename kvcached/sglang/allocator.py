@@ -55,9 +55,14 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         manager = self._engine.manager
-        if need_size > manager.available_size():
-            return None
-        return torch.tensor(manager.alloc(need_size), dtype=torch.int64, device=self.device)
+        try:
+            if need_size > manager.available_size():
+                return None
+            return torch.tensor(manager.alloc(need_size), dtype=torch.int64, device=self.device)
+        finally:
+            # Counting leased the shared budget's room (``PageAllocator.lease_short``): what the
+            # alloc did not map goes back now, not at the next step, so another engine can map it.
+            manager.drain_releasable()
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:

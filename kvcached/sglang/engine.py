@@ -24,6 +24,7 @@ import msgspec
 
 from ..backends import make_backend
 from ..backends.base import Backend
+from ..budget import Budget
 from ..errors import ConfigError
 from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout, Placement
 from ..ledger.events import Header, Policy
@@ -50,6 +51,11 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_reserved_pages: int = 0
     placement: Placement = Placement.WHOLE_PAGES
     journal_path: str | None = None
+    # KVCACHED_BUDGET, KVCACHED_BUDGET_BYTES: map only within the named budget this machine's
+    # engines share (``kvcached.budget``), vLLM's and SGLang's alike; bytes 0: its size as it is.
+    budget: str | None = None
+    budget_bytes: int = 0
+    budget_dir: str | None = None  # where budgets live (None: kvcached.budget.budget_dir(); tests)
 
 
 def sglang_version() -> str:
@@ -99,6 +105,7 @@ class SglangEngine:
     """kvcached under one SGLang KV pool: backend, manager (with its ledger) and bridge."""
 
     def __init__(self, pool: Any, config: SglangConfig) -> None:
+        self.closed = False
         self.config = config
         self.geometry = g = pool_geometry(pool, config.page_bytes)
         self.page_size: int = pool.page_size
@@ -112,8 +119,16 @@ class SglangEngine:
             policy=config.policy,
             producer={"sglang": sglang_version(), "kvcached": KVCACHED_VERSION},
         )
-        self.recorder = Recorder.for_header(header, journal_path=config.journal_path)
-        self.backend: Backend = make_backend(config.backend, page_bytes=g.page_bytes)
+        self.budget: Budget | None = None
+        if config.budget is not None:
+            self.budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
+        try:
+            self.recorder = Recorder.for_header(header, journal_path=config.journal_path)
+            self.backend: Backend = make_backend(config.backend, page_bytes=g.page_bytes)
+        except BaseException:
+            if self.budget is not None:
+                self.budget.close()
+            raise
         try:
             self.manager = KVCacheManager(
                 g,
@@ -121,15 +136,15 @@ class SglangEngine:
                 self.recorder,
                 max_reserved=config.max_reserved_pages,
                 placement=config.placement,
+                budget=self.budget,
             )
             # SGLang's padding page: padded tokens write into slot 0 (``TokenToKVPoolAllocator.clear``).
             self.manager.take([0])
+            self.manager.drain_releasable()  # the lease the count took, back to the budget
         except BaseException:
-            self.backend.close()
-            self.recorder.close()
+            self.close()
             raise
         self.bridge = Bridge(self.recorder, self.manager, pool, self.page_size)
-        self.closed = False
 
     @property
     def ledger(self) -> Any:
@@ -151,11 +166,18 @@ class SglangEngine:
         return k, v
 
     def close(self) -> None:
+        """The journal, then the pages, then this engine's share of the budget; once."""
         if self.closed:
             return
         self.closed = True
-        self.recorder.close()
-        self.backend.close()
+        try:
+            self.recorder.close()
+        finally:
+            try:
+                self.backend.close()
+            finally:
+                if self.budget is not None:
+                    self.budget.close()
 
 
 def engine_of(obj: Any) -> SglangEngine | None:

@@ -32,6 +32,8 @@ def config_from(settings: Settings) -> SglangConfig:
         max_reserved_pages=settings.max_reserved_pages,
         placement=Placement(settings.placement),
         journal_path=settings.journal,
+        budget=settings.budget,
+        budget_bytes=settings.budget_bytes,
     )
 
 
