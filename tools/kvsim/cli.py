@@ -27,6 +27,9 @@ from typing import Any
 import kvcli
 
 VARIANTS = ("ledger", "legacy", "never-unmap", "vllm")
+# ``--engine sglang``: kvcached.sglang.testing.sim (SGLang's pool, allocator and HiCache; run in
+# the SGLang environment); two of its variants are planted bugs its checks must catch.
+SGLANG_VARIANTS = ("ledger", "legacy", "no-hold", "no-poll")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -54,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=kvcli.Parser)
     r = sub.add_parser("run", help="run seeds under every variant and count what fails")
     r.add_argument("--seeds", type=parse_seeds, required=True, help="1-500, 3,7,9 or 1-10,20")
+    r.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="whose scheduler (default vllm)")
     r.add_argument("--jobs", type=_jobs, default=1, help="processes (default 1)")
-    r.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    r.add_argument(
+        "--variants",
+        help=f"comma-separated, of {', '.join(VARIANTS)} (sglang: {', '.join(SGLANG_VARIANTS)}); default: all",
+    )
     r.add_argument("--json", action="store_true", help="one JSON object per seed, then the summary")
     p = sub.add_parser("repro", help="the case of a seed and every check it fails, with step and block")
     p.add_argument("seed", type=_seed)
@@ -93,12 +100,77 @@ def _run_seed(seed: int, variants: tuple[str, ...]) -> list[Any]:
     return [run_case(case, v) for v in variants]
 
 
+def _run_sglang_seed(seed: int, variants: tuple[str, ...]) -> list[Any]:
+    from kvcached.sglang.testing.sim import draw, run_case
+
+    case = draw(seed)
+    return [run_case(case, v) for v in variants]
+
+
+def cmd_run_sglang(args: argparse.Namespace, variants: tuple[str, ...]) -> int:
+    import msgspec
+
+    from kvcached.sglang.testing.sim import CHECKS
+
+    fails: dict[str, dict[str, int]] = {v: {} for v in variants}
+    failed_seeds = dict.fromkeys(variants, 0)
+    totals = {"flushes": 0, "stores": 0, "loads": 0}
+    shipped_failed = False
+
+    def report(results: list[Any]) -> None:
+        nonlocal shipped_failed
+        for r in results:
+            for c in r.checks():
+                fails[r.variant][c] = fails[r.variant].get(c, 0) + 1
+            failed_seeds[r.variant] += not r.ok
+            shipped_failed |= r.variant == "ledger" and not r.ok
+        first = results[0]
+        for k in totals:
+            totals[k] += getattr(first, k)
+        if args.json:
+            print(json.dumps({"seed": first.seed, "results": msgspec.to_builtins(results)}), flush=True)
+        else:
+            verdicts = ", ".join(f"{r.variant} {'ok' if r.ok else '+'.join(r.checks())}" for r in results)
+            print(
+                f"seed {first.seed:5}: {verdicts} | flushes {first.flushes}, stores {first.stores}, "
+                f"loads {first.loads}",
+                flush=True,
+            )
+
+    if args.jobs == 1:
+        for seed in args.seeds:
+            report(_run_sglang_seed(seed, variants))
+    else:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            for results in ex.map(_run_sglang_seed, args.seeds, [variants] * len(args.seeds), chunksize=4):
+                report(results)
+    n = len(args.seeds)
+    if args.json:
+        print(json.dumps({"summary": {"seeds": n, "failed_seeds": failed_seeds, "fails": fails, "totals": totals}}))
+    else:
+        p = kvcli.plural
+        print(
+            f"\n{p(n, 'seed')} (SGLang); first variant: {totals['flushes']:,} flushes, "
+            f"{p(totals['stores'], 'acknowledged backup')}, {p(totals['loads'], 'load')}"
+        )
+        for v in variants:
+            per = ", ".join(f"{c} {k}" for c, k in sorted(fails[v].items())) or "nothing failed"
+            print(f"  {v:11}: {failed_seeds[v]:,} of {p(n, 'seed')} failed; {per}")
+        if "legacy" in variants:
+            never = [c for c in CHECKS if not fails["legacy"].get(c)]
+            print(f"  checks legacy never tripped in this campaign: {', '.join(never) or 'none'}")
+    return 1 if shipped_failed else 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import msgspec
 
+    if args.engine == "sglang":
+        return cmd_run_sglang(args, tuple(v.strip() for v in (args.variants or ",".join(SGLANG_VARIANTS)).split(",")))
+
     from kvcached.vllm.testing.sim.result import CHECKS, Coverage
 
-    variants = tuple(v.strip() for v in args.variants.split(","))  # checked by main
+    variants = tuple(v.strip() for v in (args.variants or ",".join(VARIANTS)).split(","))  # checked by main
     fails: dict[str, dict[str, int]] = {v: {} for v in variants}
     failed_seeds: dict[str, int] = dict.fromkeys(variants, 0)
     cov = Coverage()
@@ -142,9 +214,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps({"summary": summary}))
     else:
         p = kvcli.plural
-        print(f"\n{p(n, 'seed')}; coverage (first variant): {p(cov.preemptions, 'preemption')}, "
-              f"{p(cov.aborts, 'abort')} ({cov.aborts_in_flight:,} with jobs in flight), {p(cov.resets, 'reset')}, "
-              f"{p(cov.shrinks, 'shrink')}, {p(cov.stores, 'store')}, {p(cov.loads, 'load')}, {p(cov.steps, 'step')}")
+        print(
+            f"\n{p(n, 'seed')}; coverage (first variant): {p(cov.preemptions, 'preemption')}, "
+            f"{p(cov.aborts, 'abort')} ({cov.aborts_in_flight:,} with jobs in flight), {p(cov.resets, 'reset')}, "
+            f"{p(cov.shrinks, 'shrink')}, {p(cov.stores, 'store')}, {p(cov.loads, 'load')}, {p(cov.steps, 'step')}"
+        )
         for v in variants:
             per = ", ".join(f"{c} {k}" for c, k in sorted(fails[v].items())) or "nothing failed"
             print(f"  {v:11}: {failed_seeds[v]:,} of {p(n, 'seed')} failed; {per}")
@@ -203,9 +277,15 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     rep = shrink(case, variant, check, budget=args.max_runs, progress=say)
     paths = write_case(rep, Path(args.output))
     if args.json:
-        doc = {"seed": args.seed, "variant": variant, "check": check, "runs": rep.runs,
-               "case": rep.case.describe(), "failures": [f.line() for f in rep.result.failures],
-               "files": [str(p) for p in paths]}
+        doc = {
+            "seed": args.seed,
+            "variant": variant,
+            "check": check,
+            "runs": rep.runs,
+            "case": rep.case.describe(),
+            "failures": [f.line() for f in rep.result.failures],
+            "files": [str(p) for p in paths],
+        }
         print(json.dumps(doc))
         return kvcli.OK
     print(f"after {kvcli.plural(rep.runs, 'run')}: {rep.case.describe()}")
@@ -221,8 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     usage = kvcli.Parser(prog=f"kvsim {args.cmd}")  # names the sub-command's --help
-    if args.cmd == "run" and not {v.strip() for v in args.variants.split(",")} <= set(VARIANTS):
-        usage.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
+    if args.cmd == "run" and args.variants is not None:
+        known = SGLANG_VARIANTS if args.engine == "sglang" else VARIANTS
+        if not {v.strip() for v in args.variants.split(",")} <= set(known):
+            usage.error(f"--variants {args.variants!r}: choose from {', '.join(known)}")
     if args.cmd == "shrink" and Path(args.output).exists() and not Path(args.output).is_dir():
         usage.error(f"-o {args.output}: not a directory")
     _pin_hash_seed(argv)
@@ -235,6 +317,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ModuleNotFoundError as e:
             if e.name is None or e.name.split(".")[0] not in _ENGINE_DEPS:
                 raise
+            if getattr(args, "engine", "vllm") == "sglang":
+                need = "SGLang 0.5.23 (scripts/_env.sh's ensure_sglang_env makes .venv-sglang)"
+                print(
+                    f"kvsim: --engine sglang drives SGLang's own classes, and this environment has no "
+                    f"{e.name}: run it in {need}",
+                    file=sys.stderr,
+                )
+                return kvcli.FAILED
             print(
                 f"kvsim: it drives vLLM's real scheduler, and this environment has no {e.name}: "
                 "install vLLM 0.33.0 here (pip install vllm==0.33.0, which brings torch)",
@@ -246,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # What the simulation imports beyond kvcached: missing, it is an environment to set up, not a bug.
-_ENGINE_DEPS = frozenset(("vllm", "torch", "transformers", "numpy"))
+_ENGINE_DEPS = frozenset(("vllm", "sglang", "torch", "transformers", "numpy"))
 
 
 if __name__ == "__main__":
