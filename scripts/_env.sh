@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 # pip's noise that says nothing about this install: local index folders it cannot see, and
 # setuptools' notice (with its banner) that an editable install is one.
 pip_noise() {
-    grep -v -E '^WARNING: Location|BuildBackendWarning: Editable installation|^\s*!!\s*$|^\s*\*{20,}\s*$|Please be careful with folders|name as your package as they may|with strategy, WheelFile|^\s*$' "$1" || true
+    grep -v -E '^WARNING: Location|^sglang [0-9.]+ requires .*, which is not installed\.$|^ERROR: pip.s dependency resolver does not currently take into account all the packages|BuildBackendWarning: Editable installation|^\s*!!\s*$|^\s*\*{20,}\s*$|Please be careful with folders|name as your package as they may|with strategy, WheelFile|^\s*$' "$1" || true
 }
 
 pip_quiet() {
@@ -43,7 +43,8 @@ ensure_venv() {
     if [ ! -x "$py" ]; then
         "$PY" -m venv "$dir"
     fi
-    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt "$stamp" ]; then
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt "$stamp" ] ||
+        [ scripts/sglang-requirements.txt -nt "$stamp" ]; then
         local log rc=0
         log=$(mktemp)
         {
@@ -86,8 +87,9 @@ ensure_cpu_env() {
 # SGLang 0.5.23 lives in .venv-sglang, beside its pinned torch 2.14.1 and torchvision 0.29.1 (CUDA
 # builds that import on a CPU-only machine; SGLang's configs import torchvision, whose PyPI wheel
 # does not load next to the CPU torch 2.13.0 above). sglang itself goes in --no-deps with the
-# import closure in scripts/sglang-requirements.txt: its GPU kernel packages (sglang-kernel,
-# flashinfer, deep-gemm, ...) are gigabytes this machine cannot run.
+# import closure in scripts/sglang-requirements.txt, at the versions sglang pins where it pins
+# them: its GPU kernel packages (sglang-kernel, flashinfer, deep-gemm, ...) are gigabytes this
+# machine cannot run, so pip's note that they are missing is dropped (pip_noise).
 _sglang_steps() {
     "$1" -m pip install -q torch==2.14.1 torchvision==0.29.1 triton==3.8.0 &&
         "$1" -m pip install -q --no-deps sglang==0.5.23 -r scripts/sglang-requirements.txt
