@@ -11,7 +11,8 @@ SGLang's own, only the copy kernels are the deferring stand-in):
 * ``evict``: a node whose backup is acknowledged leaves the device (``free_segment``);
 * ``load``: a node on the host only comes back (``load``, then ``start_loading``);
 * ``drop``: a node off the device leaves the host tier too;
-* ``copies k``: the copy engine finishes ``k`` of the queued copies;
+* ``copies k``: the copy engine finishes ``k`` of the queued copies (and any copy queued
+  ``STALL`` steps ago has finished by the next step);
 * ``flush``: when ``Scheduler.is_fully_idle`` would say so (no request running, no load in
   flight, under overlap no forward in flight), ``/flush_cache`` (the controller's reset, the host
   pool's ``clear``, the allocator's ``clear``).
@@ -44,6 +45,7 @@ from .stack import HiCacheStack
 CHECKS: Final = ("attended-bytes", "store-bytes", "load-bytes", "unmapped-touch", "ledger", "leftover", "crash")
 VARIANTS: Final = ("ledger", "legacy", "no-hold", "no-poll")
 SIZE = 1023  # slots; 16 pages of 64
+STALL = 8  # steps a copy may wait for the copy engine at most
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -114,6 +116,7 @@ class _Run:
         self.freed_last_step: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
         self.nodes: list[_Node] = []
         self.orphans: list[_Node] = []
+        self.queued_at: list[tuple[int, int]] = []  # (step, the copy stand-in's count after it)
         self.failures: dict[str, Failure] = {}
         self.step = 0
         self.next_req = 0
@@ -126,6 +129,10 @@ class _Run:
 
     def begin_step(self) -> None:
         s = self.stack
+        # A copy engine makes progress: a copy queued STALL steps ago has run by now (the
+        # ledger holds a pin to ending within 16 builds, I4, and a GPU copy takes microseconds).
+        while self.queued_at and self.queued_at[0][0] <= self.step - STALL:
+            self.run_copies(self.queued_at.pop(0)[1])
         s.engine.bridge.hold_frees = self.hold
         s.step()
         self.drain_acks()
@@ -172,6 +179,13 @@ class _Run:
                 break
 
     def act(self, kind: str, arg: int) -> None:
+        s = self.stack
+        before = s.copies.queued
+        self._act(kind, arg)
+        if s.copies.queued > before:
+            self.queued_at.append((self.step, s.copies.queued))
+
+    def _act(self, kind: str, arg: int) -> None:
         s = self.stack
         if kind == "arrive":
             slots = s.allocator.alloc(arg)
