@@ -12,17 +12,19 @@ its submission to its completion, as the vLLM bridge does for the OffloadingConn
 
 Both directions go through one choke point, ``L2TransferEngine.submit_device_to_host`` /
 ``submit_host_to_device`` (``mem_cache/l2_transfer.py``): each returns a ``TransferCompletion``
-whose ``finish_event`` SGLang keeps in its ``HiCacheAck`` (and, from 0.5.23, hands to the
-allocator's ``set_hicache_transfer_done_event``). The bridge records a ``JobBuilt`` for the
-device slots of the transfers and returns the completion with that event wrapped
-(``_Acknowledged``): the first time SGLang learns the copy is done (``query()`` true, or
-``synchronize()`` returned) the job is reported, on whichever path asks. A copy whose
-acknowledgement the reset dropped is not waited for (the flush returns as SGLang's does): its
-pages stay pinned, mapped under the freed slots, and each scheduler step polls its event, so the
-pin ends when the copy does rather than never (I4). A scheduler step
+whose ``finish_event`` SGLang keeps in its ``HiCacheAck``. The bridge records a ``JobBuilt`` for
+the device slots of the transfers, keeps the event, and at each scheduler step, before SGLang
+drains its acks, reports the jobs whose events are done (``poll``). The event is left as SGLang
+made it: SGLang passes it to CUDA (``Event.elapsed_time`` in the tree's ``writing_check``, a
+stream's ``wait_event`` in 0.5.23's unified pool), which takes no stand-in. A pin can therefore
+outlast its copy by one step, never the reverse: SGLang frees a node's slots only after it has
+seen the ack, which the poll before it has seen too, or a step later. A copy whose
+acknowledgement a reset dropped is not waited for (the flush returns as SGLang's does): it stays
+outstanding, its pages stay mapped under the freed slots, and the poll ends its pin when the
+copy is done rather than never (I4). A scheduler step
 (``Scheduler.get_next_batch_to_run``, which starts by draining HiCache's acks) is a build
 boundary: a page emptied by a free waits for the next one, for the forward pass of the step
-that freed it; under overlap scheduling a free is recorded one boundary late (``hold_frees``).
+that freed it; under overlap scheduling one boundary more (``hold_frees``).
 """
 
 from __future__ import annotations
@@ -37,39 +39,12 @@ from ..ledger.events import (
     PrefixCacheReset,
     RequestAdded,
     RequestFinished,
+    WindowHold,
 )
 
 if TYPE_CHECKING:
     from ..kv_cache_manager import KVCacheManager
     from ..ledger.recorder import Recorder
-
-
-class _Acknowledged:
-    """A transfer's finish event that reports its job the first time SGLang sees it complete.
-
-    Everything but ``query`` and ``synchronize`` goes to the event as it is (``wait``,
-    ``record``, ``elapsed_time``), so streams and timings behave as before.
-    """
-
-    __slots__ = ("_bridge", "_event", "_job")
-
-    def __init__(self, event: Any, bridge: Bridge, job: int) -> None:
-        self._event = event
-        self._bridge = bridge
-        self._job = job
-
-    def query(self) -> bool:
-        done = bool(self._event.query())
-        if done:
-            self._bridge.reported(self._job)
-        return done
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-        self._bridge.reported(self._job)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._event, name)
 
 
 class Bridge:
@@ -82,18 +57,21 @@ class Bridge:
         self.page_size = page_size
         self.build = 0
         self._next_job = 0
-        # Jobs submitted and not yet acknowledged, with their wrapped events (the reset waits on them).
-        self.outstanding: dict[int, _Acknowledged] = {}
-        # Planted-bug switch for the tests (``tests/sglang``): without the poll, a copy whose
-        # acknowledgement a reset dropped pins its pages for ever (I4).
+        # Jobs submitted and not yet seen done, with their finish events.
+        self.outstanding: dict[int, Any] = {}
+        # Planted-bug switch for the tests (``tests/sglang_engine``, kvsim's ``no-poll``): a bridge
+        # that forgets the copies whose acknowledgements a reset dropped, as SGLang does, leaves
+        # their pages pinned for ever (I4).
         self.poll_orphans = True
-        # Overlap scheduling (``Scheduler.event_loop_overlap``): step k's results are processed,
-        # and its finished requests freed, after step k + 1's forward is launched, which may still
-        # read those slots (it was built before they finished) until step k + 1's results are
-        # processed, after the next boundary. So a free is held until the boundary after it and
-        # recorded then: its grace ends one boundary later, when that forward is done.
+        # Overlap scheduling (``Scheduler.event_loop_overlap``): in step k the results of step
+        # k - 1 are processed, and its finished requests freed, after step k's forward was
+        # launched, which may still read those slots (it was built before they finished) until
+        # step k's results are processed, in step k + 1. So the pages of a step's frees are held
+        # (``WindowHold`` by a request standing for that step's forward) until the boundary of
+        # step k + 2. The slots are free at once: SGLang evicts and allocates in one step, and
+        # its own stream order makes their reuse safe; only the unmap must wait.
         self.hold_frees = False
-        self.held: list[int] = []
+        self._holds: list[tuple[int, int]] = []  # (step, the request holding its frees' pages)
 
     # --- scheduler ----------------------------------------------------------------------------
 
@@ -101,19 +79,26 @@ class Bridge:
         """A scheduler step begins: the previous one's forward pass is done."""
         self.recorder.emit(BuildBoundary(self.build, self.recorder.stamp()))
         self.build += 1
-        if self.held:
-            held, self.held = self.held, []
-            self.manager.free(held)
+        while self._holds and self._holds[0][0] <= self.build - 2:
+            self.recorder.emit(RequestFinished(self._holds.pop(0)[1]))  # that forward is done
         self.poll()
         self.manager.drain_releasable()
 
     def free(self, slots: list[int]) -> None:
         """The allocator frees ``slots`` (blocks, at page_size 1)."""
         if self.hold_frees:
-            self.held += slots
-            return
+            if not self._holds or self._holds[-1][0] != self.build:
+                req = self._next_id()
+                self.recorder.emit(RequestAdded(req, f"forward-{self.build}"))
+                self._holds.append((self.build, req))
+            self.recorder.emit(WindowHold(self._holds[-1][1], 0, tuple(slots)))
         self.manager.free(slots)
         self.manager.drain_releasable()
+
+    def _next_id(self) -> int:
+        n = self._next_job
+        self._next_job += 1
+        return n
 
     # --- HiCache copies -----------------------------------------------------------------------
 
@@ -127,8 +112,7 @@ class Bridge:
                 blocks.update((t.device_indices // ps).tolist() if ps > 1 else t.device_indices.tolist())
         if not blocks:
             return completion
-        job = self._next_job
-        self._next_job += 1
+        job = self._next_id()
         # A HiCache copy belongs to tree nodes, not to a request; the ledger's jobs name one, so
         # each copy is its own request, finished once submitted: I4 then holds every copy to
         # ending within the ledger's liveness bound, as it holds a finished vLLM request's jobs.
@@ -136,25 +120,18 @@ class Bridge:
         self.recorder.emit(RequestAdded(job, name))
         self.recorder.emit(JobBuilt(job, kind, job, (tuple(sorted(blocks)),), 1))
         self.recorder.emit(RequestFinished(job))
-        event = _Acknowledged(completion.finish_event, self, job)
-        self.outstanding[job] = event
-        return completion._replace(finish_event=event)
-
-    def reported(self, job: int) -> None:
-        if self.outstanding.pop(job, None) is None:
-            return  # acknowledged before (SGLang polls a finished event again, e.g. after a reset)
-        self.recorder.emit(JobReported(job, 1))
-        self.manager.drain_releasable()
+        self.outstanding[job] = completion.finish_event
+        return completion
 
     def poll(self) -> None:
-        """Report the copies that finished without SGLang asking: those whose acknowledgements
-        ``HiCacheController.reset`` dropped. Their pages stay pinned until then."""
-        if not self.poll_orphans:
-            return
-        for event in list(self.outstanding.values()):
-            event.query()
+        """Report the copies whose finish events are done (the step drains the pages after)."""
+        for job, event in list(self.outstanding.items()):
+            if event.query():
+                del self.outstanding[job]
+                self.recorder.emit(JobReported(job, 1))
 
     def cache_reset(self) -> None:
-        """The allocator is about to free every slot (``flush_cache``'s ``clear``), held ones too."""
-        self.held = []
+        """The allocator is about to free every slot (``flush_cache``'s ``clear``)."""
+        if not self.poll_orphans:
+            self.outstanding.clear()  # the planted bug: trust the reset's dropping of the acks
         self.recorder.emit(PrefixCacheReset())

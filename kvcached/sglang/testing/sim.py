@@ -4,10 +4,10 @@ A case is drawn from its seed alone: overlap scheduling on or off, and a list of
 few actions of the kinds SGLang's scheduler and tree cache take (``HiCacheStack``'s parts are
 SGLang's own, only the copy kernels are the deferring stand-in):
 
-* ``arrive n``: a request gets ``n`` slots (``alloc``) and its forward writes KV bytes that
-  identify it;
-* ``finish``: the oldest running request ends; half the time its KV is kept as a tree node and
-  backed up (``write``, write-through), else its slots are freed;
+* ``arrive n``: a request gets ``n`` slots (``alloc``) and the next step's forward writes KV
+  bytes that identify it;
+* ``finish``: the oldest running request ends (once its forward has run); its KV is kept as a
+  tree node and backed up (``write``, write-through) when no backup is in flight, else freed;
 * ``evict``: a node whose backup is acknowledged leaves the device (``free_segment``);
 * ``load``: a node on the host only comes back (``load``, then ``start_loading``);
 * ``drop``: a node off the device leaves the host tier too;
@@ -112,7 +112,8 @@ class _Run:
         bridge = self.stack.engine.bridge
         self.hold = case.overlap and variant != "no-hold"
         bridge.poll_orphans = variant != "no-poll"
-        self.running: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
+        # (request, its slots, the bytes its first forward wrote; None until that forward)
+        self.running: list[tuple[int, torch.Tensor, dict[str, torch.Tensor] | None]] = []
         self.freed_last_step: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
         self.nodes: list[_Node] = []
         self.orphans: list[_Node] = []
@@ -136,12 +137,20 @@ class _Run:
         s.engine.bridge.hold_frees = self.hold
         s.step()
         self.drain_acks()
-        # This step's forward: every running request, and under overlap the ones whose frees
-        # the last step's result processing made after this forward was launched.
-        for req, slots, data in self.running + (self.freed_last_step if self.case.overlap else []):
+        # Under overlap, the forward launched before the last step's results were processed
+        # reads the requests those results freed; the forwards after it (which write the slots
+        # anew) come after it on the stream, so it reads them first.
+        for req, slots, data in self.freed_last_step if self.case.overlap else []:
             if not _same(data, s.device_bytes(slots)):
                 self.fail("attended-bytes", f"request {req}'s KV read by a forward is not its own")
         self.freed_last_step = []
+        # This step's forward: it writes the KV of the requests that arrived, then reads all.
+        for i, (req, slots, wrote) in enumerate(self.running):
+            if wrote is None:
+                self.running[i] = (req, slots, s.fill(slots, seed=req))
+        for req, slots, wrote in self.running:
+            if wrote is None or not _same(wrote, s.device_bytes(slots)):
+                self.fail("attended-bytes", f"request {req}'s KV read by a forward is not its own")
 
     def run_copies(self, upto: int) -> None:
         """The copy engine runs the queued copies up to mark ``upto``, one at a time. A backup
@@ -190,10 +199,11 @@ class _Run:
         if kind == "arrive":
             slots = s.allocator.alloc(arg)
             if slots is not None:
-                self.running.append((self.next_req, slots, s.fill(slots, seed=self.next_req)))
+                self.running.append((self.next_req, slots, None))  # written by the next forward
                 self.next_req += 1
-        elif kind == "finish" and self.running:
+        elif kind == "finish" and self.running and self.running[0][2] is not None:
             req, slots, data = self.running.pop(0)
+            assert data is not None
             host = s.controller.write(slots) if arg % 2 == 0 and self._no_write_pending() else None
             if host is not None:
                 node = _Node(data, slots, host)
@@ -251,8 +261,9 @@ class _Run:
         self.begin_step()
         for v in s.engine.ledger.violations:
             self.fail("ledger", f"{v.invariant} {v.code}: {v.message}")
-        if s.engine.bridge.outstanding:
-            self.fail("leftover", f"{len(s.engine.bridge.outstanding)} copies still pin pages")
+        left = len(s.engine.ledger.tables.jobs)  # the ledger's view: a bridge may have forgotten them
+        if left:
+            self.fail("leftover", f"{left} copies still pin pages")
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
