@@ -166,8 +166,8 @@ class Variant:
         if self.name == "bridge+journal":  # as the plugin journals (kvcached/vllm/engine_core/served.py)
             service = ServiceConfig(journal=journal, replica=False, snapshot_every=0, flush_interval=0.005)
         elif self.name == "kvcached+all":  # a served engine's service: journal, socket, replica, flight recorder
+            from kvcached.service.config import service_config
             from kvcached.settings import Settings
-            from kvcached.vllm.engine_core.served import service_config
 
             settings = Settings(journal=journal, dump_dir=self._tmp)
             service = service_config(settings, f"{self._tmp}/{self.name}.sock")

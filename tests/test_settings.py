@@ -195,8 +195,8 @@ def test_with_kvcached_off_its_other_settings_do_not_stop_vllm(monkeypatch: pyte
 
 
 def test_the_journal_and_dump_settings_read_strictly_and_reach_the_served_service() -> None:
+    from kvcached.service.config import service_config
     from kvcached.service.ledger_service import Durability
-    from kvcached.vllm.engine_core.served import service_config
 
     s = Settings.from_env({})
     assert (s.max_journal_bytes, s.journal_segment_bytes, s.journal_keep_runs, s.journal_durability, s.max_dumps) == (

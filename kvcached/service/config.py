@@ -6,9 +6,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcached.errors import ConfigError
 from kvcached.service.retention import MAX_BYTES_VAR, SEGMENT_VAR
+
+if TYPE_CHECKING:
+    from kvcached.settings import Settings
 
 
 class Durability(enum.Enum):
@@ -55,3 +59,27 @@ class ServiceConfig:
                 f"ledger service: max_bytes={self.max_bytes} ({MAX_BYTES_VAR}) needs rotation below it "
                 f"(rotate_bytes={self.rotate_bytes}, {SEGMENT_VAR}) and the replica, to snapshot before deleting"
             )
+
+
+def service_config(settings: Settings, socket: str, journal: str | None = None) -> ServiceConfig:
+    """The ledger service of a served engine, vLLM's or SGLang's (the bridge benchmark measures
+    the same one). The journal, if any, is written by the service's thread, off the scheduler's
+    path, within ``flush_interval`` of each event: vLLM kills the engine core, and SGLang its
+    scheduler process, at shutdown without a last call, so nothing may wait for a final flush.
+    ``journal``: this engine's own path where it differs from the setting's (a data-parallel
+    rank's, ``kvcached.vllm.engine_core.ranks.rank_path``)."""
+    journal = journal or settings.journal
+    return ServiceConfig(
+        journal=journal,
+        replica=True,
+        snapshot_every=1_000_000 if journal else 0,
+        flush_interval=0.005,
+        socket=socket,
+        flight_events=settings.flight_recorder_events,
+        dump_dir=settings.dump_dir,
+        durability=Durability(settings.journal_durability),
+        rotate_bytes=settings.journal_segment_bytes,
+        keep_runs=settings.journal_keep_runs,
+        max_bytes=settings.max_journal_bytes,
+        max_dumps=settings.max_dumps,
+    )

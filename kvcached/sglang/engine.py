@@ -18,6 +18,7 @@ names SGLang and its version, so that a reader knows which engine wrote a trace
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -28,8 +29,11 @@ from ..budget import Budget
 from ..errors import ConfigError
 from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout, Placement
 from ..ledger.events import Header, Policy
+from ..ledger.ledger import Ledger
 from ..ledger.recorder import Recorder
 from ..page_size import mib
+from ..service.config import ServiceConfig
+from ..service.ledger_service import BackgroundService
 from ..version import KVCACHED_VERSION
 from .bridge import Bridge
 
@@ -51,11 +55,19 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_reserved_pages: int = 0
     placement: Placement = Placement.WHOLE_PAGES
     journal_path: str | None = None
+    # A server's: the journal written, and the live socket served (kvctl list, tail, pins, why,
+    # dump), by the ledger service's thread; not both with ``journal_path``.
+    journal_service: ServiceConfig | None = None
+    clock: bool = False  # build boundaries carry the time (a server's do; tests' traces stay exact)
     # KVCACHED_BUDGET, KVCACHED_BUDGET_BYTES: map only within the named budget this machine's
     # engines share (``kvcached.budget``), vLLM's and SGLang's alike; bytes 0: its size as it is.
     budget: str | None = None
     budget_bytes: int = 0
     budget_dir: str | None = None  # where budgets live (None: kvcached.budget.budget_dir(); tests)
+
+    def __post_init__(self) -> None:
+        if self.journal_path is not None and self.journal_service is not None:
+            raise ConfigError("kvcached under SGLang: a journal is written inline (journal_path) or by the service")
 
 
 def sglang_version() -> str:
@@ -118,14 +130,22 @@ class SglangEngine:
             workers=1,
             policy=config.policy,
             producer={"sglang": sglang_version(), "kvcached": KVCACHED_VERSION},
+            clock_base_unix=time.time() if config.clock else 0.0,
         )
         self.budget: Budget | None = None
         if config.budget is not None:
             self.budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
+        self.service: BackgroundService | None = None
         try:
-            self.recorder = Recorder.for_header(header, journal_path=config.journal_path)
+            if config.journal_service is not None:
+                self.service = BackgroundService.start(header, config.journal_service)
+                self.recorder = Recorder(Ledger(header), sink=self.service.producer)
+            else:
+                self.recorder = Recorder.for_header(header, journal_path=config.journal_path)
             self.backend: Backend = make_backend(config.backend, page_bytes=g.page_bytes)
         except BaseException:
+            if self.service is not None:
+                self.service.close()
             if self.budget is not None:
                 self.budget.close()
             raise
@@ -166,12 +186,15 @@ class SglangEngine:
         return k, v
 
     def close(self) -> None:
-        """The journal, then the pages, then this engine's share of the budget; once."""
+        """The journal (and the service), then the pages, then this engine's share of the
+        budget; once."""
         if self.closed:
             return
         self.closed = True
         try:
             self.recorder.close()
+            if self.service is not None:
+                self.service.close()
         finally:
             try:
                 self.backend.close()

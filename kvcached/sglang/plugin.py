@@ -17,6 +17,8 @@ from typing import NoReturn
 
 from ..errors import ConfigError
 from ..kv_cache_manager import Placement
+from ..service.config import service_config
+from ..service.live import default_socket_path
 from ..settings import Settings
 from .engine import SglangConfig
 
@@ -24,14 +26,17 @@ _installed: SglangConfig | None = None
 
 
 def config_from(settings: Settings) -> SglangConfig:
-    """The engine's configuration from the settings: what SGLang's pools are built with."""
+    """The engine's configuration from the settings: what SGLang's pools are built with. The
+    ledger service runs as in a served vLLM engine: the journal (``KVCACHED_LEDGER_JOURNAL``) and
+    the live socket for ``kvctl``, one per scheduler process (its pid names the socket)."""
     return SglangConfig(
         policy=settings.policy,
         page_bytes=settings.page_bytes,
         backend=settings.backend,
         max_reserved_pages=settings.max_reserved_pages,
         placement=Placement(settings.placement),
-        journal_path=settings.journal,
+        journal_service=service_config(settings, default_socket_path()),
+        clock=True,
         budget=settings.budget,
         budget_bytes=settings.budget_bytes,
     )

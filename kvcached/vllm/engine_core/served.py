@@ -23,7 +23,7 @@ from ...errors import KvcachedError
 from ...kv_cache_manager import Placement
 from ...ledger.compiled import compiled_status
 from ...page_size import mib
-from ...service.ledger_service import Durability, ServiceConfig
+from ...service.config import service_config
 from ...service.live import default_socket_path
 from ...settings import Settings
 from ...version import KVCACHED_VERSION
@@ -33,29 +33,6 @@ from . import control, ranks, step_sender
 from .engine import Engine, EngineConfig, assemble
 
 log = logging.getLogger("vllm.kvcached")
-
-
-def service_config(settings: Settings, socket: str, journal: str | None = None) -> ServiceConfig:
-    """The ledger service of a served engine (the bridge benchmark measures the same one). The
-    journal, if any, is written by the service's thread, off the scheduler's path, within
-    ``flush_interval`` of each event: vLLM kills the engine core at shutdown without calling the
-    scheduler's shutdown, so nothing may wait for a final flush. ``journal``: this engine's own
-    path where it differs from the setting's (a data-parallel rank's, ``ranks.rank_path``)."""
-    journal = journal or settings.journal
-    return ServiceConfig(
-        journal=journal,
-        replica=True,
-        snapshot_every=1_000_000 if journal else 0,
-        flush_interval=0.005,
-        socket=socket,
-        flight_events=settings.flight_recorder_events,
-        dump_dir=settings.dump_dir,
-        durability=Durability(settings.journal_durability),
-        rotate_bytes=settings.journal_segment_bytes,
-        keep_runs=settings.journal_keep_runs,
-        max_bytes=settings.max_journal_bytes,
-        max_dumps=settings.max_dumps,
-    )
 
 
 def build(scheduler: Any, settings: Settings) -> Engine:

@@ -1,0 +1,103 @@
+"""SGLang 0.5.23 serving on a CPU without sgl-kernel, through SGLang's own plugin interface (tests only).
+
+SGLang's CPU mode (``SGLANG_USE_CPU_ENGINE=1``) imports sgl-kernel's CPU build in about a hundred
+modules, and the package index has no such build. An out-of-tree *platform* with SGLang's CPU
+device operations (``CpuDeviceMixin``) keeps ``is_cpu()`` and ``is_cuda()`` false, so the layers
+take their torch paths, and being out of tree (``is_out_of_tree``) keeps rotary embedding off
+vLLM's kernels (``layers/rotary_embedding/base.py``). Attention is SGLang's ``torch_native``.
+What a CPU still lacks, the general plugin supplies through ``HookRegistry``:
+
+* HiCache's copy kernel: ``pool_host/mha.py`` binds ``transfer_kv_direct`` from
+  ``sgl_kernel.kvcacheio`` only under CUDA; a torch copy stands in (``direct`` io, ``layer_first``);
+* the host pool's pinned memory (``cudaHostRegister`` needs a driver): ``pin_memory=False``;
+* the detokenizer's tool-call lookup (``parser/response_template.tool_close_tokens`` imports the
+  function-call parser, hence xgrammar, before it looks at a parser of None).
+
+Neither entry point is kvcached's: a test writes a small distribution beside this module's
+package (``dist_info``) and puts it on the server's ``PYTHONPATH``, so SGLang discovers the
+platform (``sglang.srt.platforms``) and the plugin (``sglang.srt.plugins``) as it would a
+vendor's. kvcached's own plugin loads beside it, as on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+NAME = "kvcached-test-cpu"
+
+
+class CpuOotPlatform(CpuDeviceMixin, SRTPlatform):  # type: ignore[misc]  # SGLang is untyped here
+    """SGLang's CPU device operations, declared out of tree."""
+
+    _enum = PlatformEnum.OOT
+    capabilities = PlatformCapabilities()  # no Triton, no graph capture, no HiCache device kernels
+
+    def get_default_attention_backend(self) -> str:
+        return "torch_native"
+
+    def is_pin_memory_available(self, device: Any = None) -> bool:
+        return False
+
+
+def activate() -> str:
+    """The ``sglang.srt.platforms`` entry point: the platform class, by name."""
+    return f"{__name__}.CpuOotPlatform"
+
+
+def transfer_kv_direct(
+    src_layers: list[torch.Tensor],
+    dst_layers: list[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_direct``: slot ``src_indices[i]`` of each source layer
+    to slot ``dst_indices[i]`` of its destination, done at once (a CPU has no copy stream)."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst[dst_indices.to(dst.device, torch.long)] = src[src_indices.to(src.device, torch.long)].to(dst.device)
+
+
+def _unpinned_host_pool(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
+    if len(args) > 5:  # MHATokenToKVPoolHost(buffer_info, ratio, size, page_size, layout, pin_memory, ...)
+        args = (*args[:5], False, *args[6:])
+    else:
+        kwargs["pin_memory"] = False
+    return original(pool, *args, **kwargs)
+
+
+def _no_parser_no_tokens(original: Any, parser: Any, tokenizer: Any) -> Any:
+    return {} if parser is None else original(parser, tokenizer)
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point; ``load_plugins`` runs it in every SGLang process."""
+    from sglang.srt.mem_cache.pool_host import mha
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    mha.transfer_kv_direct = transfer_kv_direct
+    HookRegistry.register(
+        "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost.__init__", _unpinned_host_pool, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.parser.response_template.tool_close_tokens", _no_parser_no_tokens, HookType.AROUND
+    )
+
+
+def dist_info(folder: str) -> str:
+    """Write the distribution that names this module's entry points into ``folder`` (a fresh
+    directory for ``PYTHONPATH``); returns ``folder``."""
+    info = os.path.join(folder, f"{NAME.replace('-', '_')}-0.1.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "x") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {NAME}\nVersion: 0.1\n")
+    with open(os.path.join(info, "entry_points.txt"), "x") as f:
+        f.write(
+            f"[sglang.srt.platforms]\ncpu = {__name__}:activate\n\n[sglang.srt.plugins]\ncpu = {__name__}:register\n"
+        )
+    return folder

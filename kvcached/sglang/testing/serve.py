@@ -1,0 +1,72 @@
+"""One SGLang engine serving the validation load, for the end-to-end tests (tests only).
+
+``python -m kvcached.sglang.testing.serve MODEL`` starts SGLang's offline ``Engine`` on the
+tiny llama (CPU, ``torch_native`` attention, page_size 1, HiCache on: write-through, direct
+copies, layer-first host pool) with a device pool small enough that serving three prompts evicts
+the first to the host tier, sends the load, and prints one JSON line per request: its output
+tokens and where its cached tokens came from (``device``, ``host``). With ``ENABLE_KVCACHED=1``
+in the environment, kvcached's plugin puts the pool on its pages. The load is kvcached PR #598's
+validation load at tiny scale: prompts of 60 tokens, 8 greedy tokens each, A B C A B A (A and B
+come back from the host), then a flush right after a request (its backup may still be
+acknowledged later) and A again.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+WORDS = ("river", "stone", "cloud", "paper", "signal", "window", "garden", "engine", "silver", "harbor")
+ORDER = ("A", "B", "C", "A", "B", "A")
+
+
+def prompt(name: str, n: int = 60) -> str:
+    r = random.Random(name)
+    return " ".join(r.choice(WORDS) for _ in range(n))
+
+
+def main() -> None:
+    import sglang as sgl
+
+    engine = sgl.Engine(
+        model_path=sys.argv[1],
+        device="cpu",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        page_size=1,
+        max_total_tokens=160,
+        grammar_backend="none",
+        log_level="warning",
+        enable_hierarchical_cache=True,
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+    )
+    params = {"max_new_tokens": 8, "temperature": 0}
+    try:
+        for i, name in enumerate((*ORDER, "flush", "A")):
+            if name == "flush":
+                engine.flush_cache()
+                continue
+            out = engine.generate(prompt(name), params)
+            meta = out["meta_info"]
+            details = meta.get("cached_tokens_details") or {}
+            print(
+                json.dumps(
+                    {
+                        "i": i,
+                        "name": name,
+                        "output": out["output_ids"],
+                        "cached": meta["cached_tokens"],
+                        "device": details.get("device", 0),
+                        "host": details.get("host", 0),
+                    }
+                ),
+                flush=True,
+            )
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

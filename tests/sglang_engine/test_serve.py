@@ -1,0 +1,91 @@
+"""SGLang serving end to end on this CPU, kvcached under it through SGLang's plugin interface.
+
+SGLang 0.5.23's offline ``Engine`` (its tokenizer manager, scheduler and detokenizer processes)
+serves the tiny llama with HiCache on (``kvcached.sglang.testing.serve``): three prompts on a
+160-slot pool, so that the first two are evicted to the host tier and come back from it, then a
+flush and the first again. Native SGLang, kvcached ``legacy`` and kvcached ``ledger`` must give
+the same tokens and the same cache hits (device and host), and the ledger's journal must replay
+clean. The platform for a CPU without sgl-kernel is test scaffolding
+(``kvcached.sglang.testing.cpu_platform``), discovered by SGLang as a vendor's plugin would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcached.ledger.journal import read_journal
+from kvcached.ledger.ledger import Ledger
+from kvcached.sglang.testing import cpu_platform
+from kvcached.testing.tiny_model import build
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], Path]]:
+    root = tmp_path_factory.mktemp("sglang-serve")
+    model = build(root / "tiny")
+    site = cpu_platform.dist_info(str(root / "site"))
+    runs = {}
+    for variant in ("native", "legacy", "ledger"):
+        journal = root / f"{variant}.kvj"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_"))}
+        env.update(PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])), HF_HUB_OFFLINE="1")
+        if variant != "native":
+            env.update(
+                ENABLE_KVCACHED="1",
+                KVCACHED_BACKEND="host",
+                KVCACHED_LEDGER_POLICY=variant,
+                KVCACHED_LEDGER_JOURNAL=str(journal),
+                KVCACHED_LEDGER_SOCKET=str(root / f"{variant}.sock"),
+                KVCACHED_DUMP_DIR=str(root / "dumps"),
+                # 16 slots a page (1 KiB a slot in each of the 16 regions: 8 layers' K and V),
+                # so that the 160-slot pool spans 11 pages and pages come and go with requests.
+                KVCACHED_PAGE_SIZE_MB="0.015625",
+                # No reserve (kvcached PR #598's reproduction settings): an emptied page goes.
+                KVCACHED_MIN_RESERVED_PAGES="0",
+                KVCACHED_MAX_RESERVED_PAGES="0",
+            )
+        done = subprocess.run(
+            [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert done.returncode == 0, f"{variant}: {done.stderr[-3000:]}"
+        lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+        runs[variant] = (lines, journal)
+    return runs
+
+
+def test_native_sglang_loads_back_from_the_host_tier(served) -> None:
+    lines, _ = served["native"]
+    assert [x["name"] for x in lines] == ["A", "B", "C", "A", "B", "A", "A"]
+    assert lines[3]["host"] > 0 and lines[4]["host"] > 0, "A and B came back from the host tier"
+    assert lines[5]["device"] > 0
+    assert lines[6]["cached"] == 0, "the flush emptied both tiers"
+
+
+@pytest.mark.parametrize("policy", ["legacy", "ledger"])
+def test_kvcached_serves_what_native_serves(served, policy) -> None:
+    native, _ = served["native"]
+    lines, _ = served[policy]
+    assert lines == native
+
+
+def test_the_ledger_journal_replays_clean_and_names_sglang(served) -> None:
+    _, journal = served["ledger"]
+    contents = read_journal(journal)
+    assert "sglang" in contents.header.producer
+    ledger = Ledger(contents.header)
+    for ev in contents.events:
+        ledger.apply(ev)
+    assert ledger.violations == []
+    assert ledger.jobs_built >= 4, "the backups and the load-backs were pinned"
+    assert ledger.builds > 10
+    assert ledger.unmaps > 0, "pages went back as the tree evicted and the flush emptied them"
