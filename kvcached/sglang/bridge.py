@@ -29,6 +29,7 @@ that freed it; under overlap scheduling one boundary more (``hold_frees``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..ledger.events import (
@@ -71,6 +72,9 @@ class Bridge:
         # step k + 2. The slots are free at once: SGLang evicts and allocates in one step, and
         # its own stream order makes their reuse safe; only the unmap must wait.
         self.hold_frees = False
+        # Called at each step on the scheduler's thread (``control.SglangControl.apply``): what
+        # kvctl asked for from the live socket's thread.
+        self.on_step: Callable[[], None] | None = None
         self._holds: list[tuple[int, int]] = []  # (step, the request holding its frees' pages)
 
     # --- scheduler ----------------------------------------------------------------------------
@@ -81,6 +85,8 @@ class Bridge:
         self.build += 1
         while self._holds and self._holds[0][0] <= self.build - 2:
             self.recorder.emit(RequestFinished(self._holds.pop(0)[1]))  # that forward is done
+        if self.on_step is not None:
+            self.on_step()
         self.poll()
         self.manager.drain_releasable()
 

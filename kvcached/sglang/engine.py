@@ -36,6 +36,7 @@ from ..service.config import ServiceConfig
 from ..service.ledger_service import BackgroundService
 from ..version import KVCACHED_VERSION
 from .bridge import Bridge
+from .control import SglangControl, engine_info
 
 if TYPE_CHECKING:
     import torch
@@ -165,10 +166,28 @@ class SglangEngine:
             self.close()
             raise
         self.bridge = Bridge(self.recorder, self.manager, pool, self.page_size)
+        socket = config.journal_service.socket if config.journal_service is not None else None
+        if self.service is not None and socket:
+            info = engine_info(
+                socket=socket,
+                policy=config.policy.value,
+                sglang=header.producer["sglang"],
+                budget=config.budget,
+                backend=self.backend.kind,
+                page_size=g.page_bytes,
+            )
+            control = SglangControl(self.manager, self.budget, info, g.page_bytes * g.regions)
+            self.service.service.control = control
+            self.bridge.on_step = control.apply  # kvctl's limit, applied on the scheduler's thread
 
     @property
     def ledger(self) -> Any:
         return self.recorder.ledger
+
+    def free_slots(self) -> int:
+        """Slots not allocated, whatever the limit or the budget lets be mapped (SGLang's pages
+        at page_size 1): what SGLang's accounting of its pool counts as free."""
+        return (self.geometry.num_blocks - self.manager.num_allocated) * self.page_size
 
     def buffers(self, dtype: torch.dtype, rows: int, row_shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
         """Per-layer K and V tensors of ``rows`` slots on kvcached's range: region ``2l`` is layer

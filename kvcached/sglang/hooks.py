@@ -16,6 +16,7 @@ by ``enable``, which a server's plugin calls when kvcached is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ _POOL = "sglang.srt.mem_cache.memory_pool"
 _L2 = "sglang.srt.mem_cache.l2_transfer"
 _SCHEDULER = "sglang.srt.managers.scheduler"
 _TOKEN = "sglang.srt.mem_cache.allocator.token"
+_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker"
 
 PATCHES: Final = (
     Patch(
@@ -73,6 +75,14 @@ PATCHES: Final = (
         "Scheduler",
         "get_next_batch_to_run",
         "one scheduler step; it starts by draining HiCache's acks (_process_hicache_events)",
+    ),
+    Patch(
+        _CHECKER,
+        "SchedulerInvariantChecker",
+        "_check_all_pools",
+        "Scheduler.on_idle's leak check (total == available + evictable + ...); under a limit or a budget "
+        "available_size is what may be mapped, so the check gets every free slot, as SGLang gives it for "
+        "its sharded allocators (aggregate_free_size)",
     ),
     Patch(
         _TOKEN,
@@ -140,6 +150,14 @@ def _submit(kind: JobKind) -> Any:
     return hook
 
 
+def _check_pools(original: Any, checker: Any, stats: Any, *args: Any, **kwargs: Any) -> Any:
+    allocator = getattr(checker, "token_to_kv_pool_allocator", None)
+    engine = engine_of(allocator)
+    if engine is not None:
+        stats = dataclasses.replace(stats, full_available_size=engine.free_slots())
+    return original(checker, stats, *args, **kwargs)
+
+
 def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     engine = engine_of(getattr(scheduler, "token_to_kv_pool_allocator", None))
     if engine is not None:
@@ -161,6 +179,7 @@ def install() -> None:
         "submit_device_to_host": _submit(JobKind.STORE),
         "submit_host_to_device": _submit(JobKind.LOAD),
         "get_next_batch_to_run": _step,
+        "_check_all_pools": _check_pools,
     }
     before = {p.target: _resolve(p) for p in PATCHES if p.owner is not None}
     for p in PATCHES:

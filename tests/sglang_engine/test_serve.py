@@ -89,3 +89,64 @@ def test_the_ledger_journal_replays_clean_and_names_sglang(served) -> None:
     assert ledger.jobs_built >= 4, "the backups and the load-backs were pinned"
     assert ledger.builds > 10
     assert ledger.unmaps > 0, "pages went back as the tree evicted and the flush emptied them"
+
+
+def test_kvctl_lists_and_limits_a_served_sglang_engine(tmp_path: Path) -> None:
+    """The live socket of an SGLang engine: ``kvctl list`` names it, ``kvctl limit`` reaches its
+    allocator through the scheduler's next step, ``kvctl status`` reports the limit."""
+    model = build(tmp_path / "tiny")
+    site = cpu_platform.dist_info(str(tmp_path / "site"))
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    release = tmp_path / "release"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])),
+        HF_HUB_OFFLINE="1",
+        XDG_RUNTIME_DIR=str(runtime),
+        ENABLE_KVCACHED="1",
+        KVCACHED_BACKEND="host",
+        KVCACHED_PAGE_SIZE_MB="0.015625",
+        KVCACHED_MIN_RESERVED_PAGES="0",
+        KVCACHED_MAX_RESERVED_PAGES="0",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model), "--hold", str(release)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        held = None
+        for line in proc.stdout:
+            if line.startswith('{"held"'):
+                held = json.loads(line)["held"]
+                break
+        assert held is not None, "the engine ended before holding"
+
+        def kvctl(*argv: str) -> object:
+            done = subprocess.run(
+                [sys.executable, "-m", "kvctl.cli", *argv, "--json"],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+                timeout=60,
+            )
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        (listed,) = kvctl("list")
+        status = listed["status"]
+        assert status["engine"]["vllm"] == "sglang 0.5.23" and status["engine"]["model"] == str(model)
+        mapped = status["memory"]["mapped_pages"]
+        page = status["memory"]["page_bytes"]
+        assert mapped >= 2
+        reply = kvctl("limit", str(status["pid"]), str(page), "--force")  # one page: the padding page's
+        assert reply["limit_bytes"] == page
+        after = kvctl("status")  # the one engine of this runtime directory
+        assert after["memory"]["limit_pages"] == 1
+    finally:
+        release.touch()
+        proc.wait(timeout=120)

@@ -8,14 +8,17 @@ tokens and where its cached tokens came from (``device``, ``host``). With ``ENAB
 in the environment, kvcached's plugin puts the pool on its pages. The load is kvcached PR #598's
 validation load at tiny scale: prompts of 60 tokens, 8 greedy tokens each, A B C A B A (A and B
 come back from the host), then a flush right after a request (its backup may still be
-acknowledged later) and A again.
+acknowledged later) and A again. ``--hold FILE`` keeps the engine up after the load until FILE
+exists, so that a test can steer it with ``kvctl``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
+import time
 
 WORDS = ("river", "stone", "cloud", "paper", "signal", "window", "garden", "engine", "silver", "harbor")
 ORDER = ("A", "B", "C", "A", "B", "A")
@@ -64,6 +67,11 @@ def main() -> None:
                 ),
                 flush=True,
             )
+        if len(sys.argv) > 2:  # --hold FILE: stay up (for kvctl) until FILE exists, 120 s at most
+            print(json.dumps({"held": os.getpid()}), flush=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+                time.sleep(0.1)
     finally:
         engine.shutdown()
 

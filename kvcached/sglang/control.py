@@ -1,0 +1,116 @@
+"""Steering a served SGLang engine: ``kvctl list`` / ``status`` / ``limit`` through the live socket.
+
+The ledger service's live socket calls an ``EngineControl`` (``kvcached.service.messages``) from
+its own thread, while SGLang's scheduler thread allocates and frees. vLLM's control takes the
+engine's lock, which every scheduler call kvcached wraps holds; SGLang's allocator is called from
+too many places to wrap them all, so a limit is handed to the scheduler's thread instead and
+applied at its next step (``Bridge.step``), which SGLang's event loop takes continuously, busy or
+idle. The memory report reads the allocator's counts as they are between two such changes.
+What a lowered limit cannot take at once (pages holding a running request's or a cached tree
+node's slots) goes as SGLang frees them; SGLang evicts its tree only when it needs slots, so an
+idle engine's full prefix cache stays over the limit until ``/flush_cache`` or new requests.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ..service.messages import BudgetStatus, EngineInfo, MemoryStatus
+from ..version import KVCACHED_VERSION
+
+if TYPE_CHECKING:
+    from ..budget import Budget
+    from ..kv_cache_manager import KVCacheManager
+
+# How long a limit waits for the scheduler's next step before it is reported as pending.
+APPLY_WAIT_S = 5.0
+
+
+class SglangControl:
+    """The ``EngineControl`` of one SGLang engine (see the module docstring)."""
+
+    def __init__(self, manager: KVCacheManager, budget: Budget | None, info: EngineInfo, page_cost: int) -> None:
+        self.manager = manager
+        self.budget = budget
+        self.page_cost = page_cost  # a page in every region: 2 * layers of them
+        self._info = info
+        self._lock = threading.Lock()
+        self._pending: tuple[int, threading.Event] | None = None
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def memory(self) -> MemoryStatus:
+        manager = self.manager
+        st = manager.state()
+        status = MemoryStatus(
+            page_bytes=self.page_cost,
+            num_pages=manager.allocator.num_pages,
+            mapped_pages=st.mapped,
+            in_use_pages=st.in_use,
+            reserved_pages=st.reserved,
+            limit_pages=st.limit,
+            shrink_pending=st.shrink_pending,
+            waiting_on=dict(st.waiting_on),
+            reason=st.reason,
+            held_pages=st.held,
+        )
+        budget = self.budget
+        if budget is None:
+            return status
+        u = budget.usage()
+        return msgspec.structs.replace(status, budget=BudgetStatus(name=u.name, size=u.size, used=u.used))
+
+    def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus:
+        """Map at most ``size`` bytes (whole pages, rounded down; None: no limit), from the
+        scheduler's next step on. ``force`` is accepted for kvctl's sake: no floor is kept here."""
+        pages = self.manager.allocator.num_pages if size is None else max(0, size) // self.page_cost
+        done = threading.Event()
+        with self._lock:
+            self._pending = (pages, done)
+        done.wait(APPLY_WAIT_S)
+        return self.memory()
+
+    def apply(self) -> None:
+        """On the scheduler's thread, at a step: the limit asked for since the last one."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pages, done = pending
+            self.manager.set_limit_pages(pages)
+            done.set()
+
+
+def engine_info(
+    *, socket: str, policy: str, sglang: str, budget: str | None, backend: str, page_size: int
+) -> EngineInfo:
+    """Who this SGLang engine is, for ``kvctl list`` (the ``vllm`` field names the engine)."""
+    return EngineInfo(
+        model=_model_name(),
+        pid=os.getpid(),
+        api_pid=None,
+        port=None,
+        socket=socket,
+        started_unix=time.time(),
+        policy=policy,
+        vllm=f"sglang {sglang}",
+        kvcached=KVCACHED_VERSION,
+        budget=budget,
+        backend=backend,
+        page_size=page_size,
+    )
+
+
+def _model_name() -> str:
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        return str(getattr(args, "served_model_name", None) or getattr(args, "model_path", "?"))
+    except Exception:  # a pool built outside a server (tests): no server arguments
+        return "?"
