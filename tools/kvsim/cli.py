@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -107,59 +107,79 @@ def _run_sglang_seed(seed: int, variants: tuple[str, ...]) -> list[Any]:
     return [run_case(case, v) for v in variants]
 
 
+class _Tally:
+    """A campaign's failures: per variant and check, failed seeds per variant, and whether the
+    shipped variant failed; the same for either engine's results (``ok``, ``checks()``)."""
+
+    def __init__(self, variants: tuple[str, ...]) -> None:
+        self.variants = variants
+        self.fails: dict[str, dict[str, int]] = {v: {} for v in variants}
+        self.failed_seeds: dict[str, int] = dict.fromkeys(variants, 0)
+        self.shipped_failed = False
+
+    def add(self, results: list[Any]) -> str:
+        """Counts one seed's results; returns its verdicts, as the seed's line shows them."""
+        for r in results:
+            for c in r.checks():
+                self.fails[r.variant][c] = self.fails[r.variant].get(c, 0) + 1
+            self.failed_seeds[r.variant] += not r.ok
+            self.shipped_failed |= r.variant == "ledger" and not r.ok
+        return ", ".join(f"{r.variant} {'ok' if r.ok else '+'.join(r.checks())}" for r in results)
+
+    def print_variants(self, n: int, checks: Any) -> None:
+        p = kvcli.plural
+        for v in self.variants:
+            per = ", ".join(f"{c} {k}" for c, k in sorted(self.fails[v].items())) or "nothing failed"
+            print(f"  {v:11}: {self.failed_seeds[v]:,} of {p(n, 'seed')} failed; {per}")
+        if "legacy" in self.variants:
+            never = [c for c in checks if not self.fails["legacy"].get(c)]
+            print(f"  checks legacy never tripped in this campaign: {', '.join(never) or 'none'}")
+
+
+def _seeds_run(
+    args: argparse.Namespace, run_seed: Any, variants: tuple[str, ...], chunksize: int
+) -> Iterator[list[Any]]:
+    """Each seed's results, in seed order, in this process or ``--jobs`` of them."""
+    if args.jobs == 1:
+        for seed in args.seeds:
+            yield run_seed(seed, variants)
+    else:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            yield from ex.map(run_seed, args.seeds, [variants] * len(args.seeds), chunksize=chunksize)
+
+
 def cmd_run_sglang(args: argparse.Namespace, variants: tuple[str, ...]) -> int:
     import msgspec
 
     from kvcached.sglang.testing.sim import CHECKS
 
-    fails: dict[str, dict[str, int]] = {v: {} for v in variants}
-    failed_seeds = dict.fromkeys(variants, 0)
+    tally = _Tally(variants)
     totals = {"flushes": 0, "stores": 0, "loads": 0}
-    shipped_failed = False
-
-    def report(results: list[Any]) -> None:
-        nonlocal shipped_failed
-        for r in results:
-            for c in r.checks():
-                fails[r.variant][c] = fails[r.variant].get(c, 0) + 1
-            failed_seeds[r.variant] += not r.ok
-            shipped_failed |= r.variant == "ledger" and not r.ok
+    for results in _seeds_run(args, _run_sglang_seed, variants, chunksize=4):
+        verdicts = tally.add(results)
         first = results[0]
         for k in totals:
             totals[k] += getattr(first, k)
         if args.json:
             print(json.dumps({"seed": first.seed, "results": msgspec.to_builtins(results)}), flush=True)
         else:
-            verdicts = ", ".join(f"{r.variant} {'ok' if r.ok else '+'.join(r.checks())}" for r in results)
             print(
                 f"seed {first.seed:5}: {verdicts} | flushes {first.flushes}, stores {first.stores}, "
                 f"loads {first.loads}",
                 flush=True,
             )
-
-    if args.jobs == 1:
-        for seed in args.seeds:
-            report(_run_sglang_seed(seed, variants))
-    else:
-        with ProcessPoolExecutor(args.jobs) as ex:
-            for results in ex.map(_run_sglang_seed, args.seeds, [variants] * len(args.seeds), chunksize=4):
-                report(results)
     n = len(args.seeds)
     if args.json:
-        print(json.dumps({"summary": {"seeds": n, "failed_seeds": failed_seeds, "fails": fails, "totals": totals}}))
+        summary = {"seeds": n, "failed_seeds": tally.failed_seeds, "fails": tally.fails, "totals": totals}
+        print(json.dumps({"summary": summary}))
     else:
         p = kvcli.plural
         print(
             f"\n{p(n, 'seed')} (SGLang); first variant: {totals['flushes']:,} flushes, "
             f"{p(totals['stores'], 'acknowledged backup')}, {p(totals['loads'], 'load')}"
         )
-        for v in variants:
-            per = ", ".join(f"{c} {k}" for c, k in sorted(fails[v].items())) or "nothing failed"
-            print(f"  {v:11}: {failed_seeds[v]:,} of {p(n, 'seed')} failed; {per}")
-        if "legacy" in variants:
-            never = [c for c in CHECKS if not fails["legacy"].get(c)]
-            print(f"  checks legacy never tripped in this campaign: {', '.join(never) or 'none'}")
-    return 1 if shipped_failed else 0
+        tally.print_variants(n, CHECKS)
+    return 1 if tally.shipped_failed else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -171,41 +191,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kvcached.vllm.testing.sim.result import CHECKS, Coverage
 
     variants = tuple(v.strip() for v in (args.variants or ",".join(VARIANTS)).split(","))  # checked by main
-    fails: dict[str, dict[str, int]] = {v: {} for v in variants}
-    failed_seeds: dict[str, int] = dict.fromkeys(variants, 0)
+    tally = _Tally(variants)
     cov = Coverage()
-    shipped_failed = False
-
-    def report(results: list[Any]) -> None:
-        nonlocal cov, shipped_failed
-        for r in results:
-            for c in r.checks():
-                fails[r.variant][c] = fails[r.variant].get(c, 0) + 1
-            failed_seeds[r.variant] += not r.ok
-            shipped_failed |= r.variant == "ledger" and not r.ok
+    for results in _seeds_run(args, _run_seed, variants, chunksize=1):
+        verdicts = tally.add(results)
         cov = cov + results[0].coverage
         if args.json:
             print(json.dumps({"seed": results[0].seed, "results": msgspec.to_builtins(results)}), flush=True)
         else:
-            verdicts = ", ".join(f"{r.variant} {'ok' if r.ok else '+'.join(r.checks())}" for r in results)
             c = results[0].coverage
             print(
                 f"seed {results[0].seed:5}: {verdicts} | steps {c.steps}, preempt {c.preemptions}, "
                 f"abort {c.aborts} ({c.aborts_in_flight} in flight), reset {c.resets}, shrink {c.shrinks}",
                 flush=True,
             )
-
-    if args.jobs == 1:
-        for seed in args.seeds:
-            report(_run_seed(seed, variants))
-    else:
-        with ProcessPoolExecutor(args.jobs) as ex:
-            for results in ex.map(_run_seed, args.seeds, [variants] * len(args.seeds), chunksize=1):
-                report(results)
     n = len(args.seeds)
+    fails = tally.fails
     summary = {
         "seeds": n,
-        "failed_seeds": failed_seeds,
+        "failed_seeds": tally.failed_seeds,
         "fails": fails,
         "legacy_trips": {c: fails.get("legacy", {}).get(c, 0) for c in CHECKS} if "legacy" in variants else {},
         "coverage": msgspec.to_builtins(cov),
@@ -219,13 +223,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{p(cov.aborts, 'abort')} ({cov.aborts_in_flight:,} with jobs in flight), {p(cov.resets, 'reset')}, "
             f"{p(cov.shrinks, 'shrink')}, {p(cov.stores, 'store')}, {p(cov.loads, 'load')}, {p(cov.steps, 'step')}"
         )
-        for v in variants:
-            per = ", ".join(f"{c} {k}" for c, k in sorted(fails[v].items())) or "nothing failed"
-            print(f"  {v:11}: {failed_seeds[v]:,} of {p(n, 'seed')} failed; {per}")
-        if "legacy" in variants:
-            never = [c for c in CHECKS if not fails["legacy"].get(c)]
-            print(f"  checks legacy never tripped in this campaign: {', '.join(never) or 'none'}")
-    return 1 if shipped_failed else 0
+        tally.print_variants(n, CHECKS)
+    return 1 if tally.shipped_failed else 0
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
