@@ -62,12 +62,7 @@ class DeferredCopies:
         """``sgl_kernel.kvcacheio.transfer_kv_direct``'s contract (slot ``src_indices[i]`` of each
         source layer to slot ``dst_indices[i]`` of its destination), deferred."""
         src, dst = src_indices.clone(), dst_indices.clone()
-
-        def copy() -> None:
-            for s, d in zip(src_layers, dst_layers, strict=True):
-                d[dst] = s[src]
-
-        self._queue.append(copy)
+        self._queue.append(lambda: copy_slots(src_layers, dst_layers, src, dst))
         self.queued += 1
 
     def run(self, upto: int | None = None) -> None:
@@ -104,6 +99,15 @@ class DeferredCopies:
                 del mha.transfer_kv_direct
             else:
                 mha.transfer_kv_direct = saved_kernel
+
+
+def copy_slots(
+    src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], src_indices: torch.Tensor, dst_indices: torch.Tensor
+) -> None:
+    """The copy ``transfer_kv_direct`` makes: slot ``src_indices[i]`` of each source layer to slot
+    ``dst_indices[i]`` of its destination, each index on its tensor's device."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst[dst_indices.to(dst.device, torch.long)] = src[src_indices.to(src.device, torch.long)].to(dst.device)
 
 
 def _done() -> None:

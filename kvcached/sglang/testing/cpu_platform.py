@@ -29,6 +29,8 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from .copies import copy_slots
+
 NAME = "kvcached-test-cpu"
 
 
@@ -57,10 +59,8 @@ def transfer_kv_direct(
     dst_indices: torch.Tensor,
     page_size: int,
 ) -> None:
-    """``sgl_kernel.kvcacheio.transfer_kv_direct``: slot ``src_indices[i]`` of each source layer
-    to slot ``dst_indices[i]`` of its destination, done at once (a CPU has no copy stream)."""
-    for src, dst in zip(src_layers, dst_layers, strict=True):
-        dst[dst_indices.to(dst.device, torch.long)] = src[src_indices.to(src.device, torch.long)].to(dst.device)
+    """``sgl_kernel.kvcacheio.transfer_kv_direct``, done at once (a CPU has no copy stream)."""
+    copy_slots(src_layers, dst_layers, src_indices, dst_indices)
 
 
 def _unpinned_host_pool(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
