@@ -31,8 +31,6 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
         engine = engine_of(kvcache)
         if engine is None:
             raise ConfigError("kvcached under SGLang: the token allocator's KV pool is not on kvcached pages")
-        if engine.page_size != 1:
-            raise ConfigError(f"kvcached under SGLang: page_size {engine.page_size} needs the paged allocator")
         self._engine: SglangEngine = engine
         super().__init__(size, dtype, device, kvcache, need_sort)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import pkgutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final
@@ -181,26 +182,16 @@ def install() -> None:
         "get_next_batch_to_run": _step,
         "_check_all_pools": _check_pools,
     }
-    before = {p.target: _resolve(p) for p in PATCHES if p.owner is not None}
+    before = {p.target: pkgutil.resolve_name(p.target) for p in PATCHES if p.owner is not None}
     for p in PATCHES:
         if p.owner is not None:
             HookRegistry.register(p.target, around[p.attr], HookType.AROUND)
     HookRegistry.apply_hooks()
     # apply_hooks logs a target it fails to patch and goes on; kvcached must not half-install.
-    missed = [t for t, fn in before.items() if _resolve_target(t) is fn]
+    missed = [t for t, fn in before.items() if pkgutil.resolve_name(t) is fn]
     if missed:
         raise ConfigError(f"kvcached under SGLang: SGLang's HookRegistry did not apply {', '.join(missed)}")
     _installed = True
-
-
-def _resolve(p: Patch) -> Any:
-    return _resolve_target(p.target)
-
-
-def _resolve_target(target: str) -> Any:
-    import pkgutil
-
-    return pkgutil.resolve_name(target)
 
 
 _installed = False
@@ -217,12 +208,6 @@ def enable(config: SglangConfig) -> None:
     _config = config
     HookRegistry.register(f"{_TOKEN}.TokenToKVPoolAllocator", KvcachedTokenAllocator, HookType.REPLACE)
     HookRegistry.apply_hooks()
-
-
-def disable() -> None:
-    """Pools built from now on are SGLang's own (tests)."""
-    global _config
-    _config = None
 
 
 @contextmanager

@@ -40,7 +40,7 @@ import torch
 
 from ...ledger.events import Policy
 from .scenarios import config
-from .stack import HiCacheStack
+from .stack import HiCacheStack, same
 
 CHECKS: Final = ("attended-bytes", "store-bytes", "load-bytes", "unmapped-touch", "ledger", "leftover", "crash")
 VARIANTS: Final = ("ledger", "legacy", "no-hold", "no-poll")
@@ -141,7 +141,7 @@ class _Run:
         # reads the requests those results freed; the forwards after it (which write the slots
         # anew) come after it on the stream, so it reads them first.
         for req, slots, data in self.freed_last_step if self.case.overlap else []:
-            if not _same(data, s.device_bytes(slots)):
+            if not same(data, s.device_bytes(slots)):
                 self.fail("attended-bytes", f"request {req}'s KV read by a forward is not its own")
         self.freed_last_step = []
         # This step's forward: it writes the KV of the requests that arrived, then reads all.
@@ -149,7 +149,7 @@ class _Run:
             if wrote is None:
                 self.running[i] = (req, slots, s.fill(slots, seed=req))
         for req, slots, wrote in self.running:
-            if wrote is None or not _same(wrote, s.device_bytes(slots)):
+            if wrote is None or not same(wrote, s.device_bytes(slots)):
                 self.fail("attended-bytes", f"request {req}'s KV read by a forward is not its own")
 
     def run_copies(self, upto: int) -> None:
@@ -177,12 +177,12 @@ class _Run:
                     if loading and node.loading:
                         node.loading = False
                         self.loads += 1
-                        if node.slots is None or not _same(node.data, s.device_bytes(node.slots)):
+                        if node.slots is None or not same(node.data, s.device_bytes(node.slots)):
                             self.fail("load-bytes", "a loaded node does not hold its bytes")
                     elif not loading and node.host is not None and not node.backed:
                         node.backed = True
                         self.stores += 1
-                        if not _same(node.data, s.host_bytes(node.host)):
+                        if not same(node.data, s.host_bytes(node.host)):
                             self.fail("store-bytes", "an acknowledged backup does not hold its node's bytes")
                 # SGLang merges queued ops into one ack; each of these queues held one op at a time.
                 break
@@ -264,10 +264,6 @@ class _Run:
         left = len(s.engine.ledger.tables.jobs)  # the ledger's view: a bridge may have forgotten them
         if left:
             self.fail("leftover", f"{left} copies still pin pages")
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 def run_case(case: Case, variant: str) -> Result:
