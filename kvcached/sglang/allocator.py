@@ -49,18 +49,28 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
         manager.drain_releasable()
 
     def available_size(self) -> int:
-        return self._engine.manager.available_size()
+        engine = self._engine
+        n = engine.manager.available_size()
+        if not engine.bridge.scheduling:
+            # Counted outside a step (SGLang's idle checks and stats, every loop turn): no
+            # allocation follows, so the room the count leased goes back at once. Held until the
+            # next step, an idle engine would keep the whole budget's room from the others.
+            engine.manager.drain_releasable()
+        return n
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        manager = self._engine.manager
+        engine = self._engine
+        manager = engine.manager
         try:
             if need_size > manager.available_size():
                 return None
             return torch.tensor(manager.alloc(need_size), dtype=torch.int64, device=self.device)
         finally:
-            # Counting leased the shared budget's room (``PageAllocator.lease_short``): what the
-            # alloc did not map goes back now, not at the next step, so another engine can map it.
-            manager.drain_releasable()
+            # Counting leased the shared budget's room (``PageAllocator.lease_short``). Within a
+            # step, the step's other counts (the batch's admission) still stand on it, and the
+            # step's end gives back what no alloc mapped; outside one, it goes back now.
+            if not engine.bridge.scheduling:
+                manager.drain_releasable()
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:

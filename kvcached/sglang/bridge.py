@@ -76,6 +76,9 @@ class Bridge:
         # kvctl asked for from the live socket's thread.
         self.on_step: Callable[[], None] | None = None
         self._holds: list[tuple[int, int]] = []  # (step, the request holding its frees' pages)
+        # Inside ``get_next_batch_to_run`` (admission, chunking, decode growth: where SGLang
+        # counts and then allocates): counts lease the shared budget's room until the step ends.
+        self.scheduling = False
 
     # --- scheduler ----------------------------------------------------------------------------
 
@@ -89,6 +92,13 @@ class Bridge:
             self.on_step()
         self.poll()
         self.manager.drain_releasable()
+        self.scheduling = True
+
+    def step_done(self) -> None:
+        """The step has built its batch: the budget's room its counts leased and its allocations
+        did not map goes back, so that another engine can map it while this one runs or idles."""
+        self.scheduling = False
+        self.manager.drain_releasable()
 
     def free(self, slots: list[int]) -> None:
         """The allocator frees ``slots`` (blocks, at page_size 1)."""
@@ -99,7 +109,8 @@ class Bridge:
                 self._holds.append((self.build, req))
             self.recorder.emit(WindowHold(self._holds[-1][1], 0, tuple(slots)))
         self.manager.free(slots)
-        self.manager.drain_releasable()
+        if not self.scheduling:  # within a step, its end drains (a lease may still stand on it)
+            self.manager.drain_releasable()
 
     def _next_id(self) -> int:
         n = self._next_job

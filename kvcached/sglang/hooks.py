@@ -164,7 +164,11 @@ def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     if engine is not None:
         engine.bridge.hold_frees = bool(getattr(scheduler, "enable_overlap", False))
         engine.bridge.step()
-    return original(scheduler, *args, **kwargs)
+    try:
+        return original(scheduler, *args, **kwargs)
+    finally:
+        if engine is not None:
+            engine.bridge.step_done()
 
 
 def install() -> None:

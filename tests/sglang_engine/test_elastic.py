@@ -61,3 +61,39 @@ def test_a_limit_bounds_what_the_allocator_hands_out(stacks) -> None:
     stack.step()
     stack.engine.manager.set_limit_pages(8)
     assert stack.allocator.available_size() == 511
+
+
+def test_an_engine_counting_between_steps_leases_nothing(tmp_path, stacks) -> None:
+    """SGLang asks ``available_size`` on every turn of its event loop, idle or not (its idle
+    checks, its stats): a lease each count took and kept to the next step would hold the whole
+    room of the budget an idle engine could map, so another engine could map none of it."""
+    budget = {"budget": "between", "budget_bytes": 4 * PAGE_COST, "budget_dir": str(tmp_path)}
+    idle = HiCacheStack(msgspec.structs.replace(config(Policy.LEDGER), **budget))
+    stacks.append(idle)
+    idle.step()
+    assert idle.allocator.available_size() == 4 * 64 - 1  # what it could map: the whole budget
+    assert idle.engine.budget is not None
+    assert idle.engine.budget.usage().used == PAGE_COST, "the count kept its lease: only the padding page is mapped"
+
+
+def test_counts_within_a_step_hold_their_lease_until_its_end(tmp_path, stacks) -> None:
+    """Within ``get_next_batch_to_run`` SGLang counts for the batch, then allocates, maybe in
+    several allocs (a load-back, then the extend): what the counts promised stays leased until
+    the step ends, so another engine cannot take it between them (an alloc SGLang's count
+    promised and kvcached refused is SGLang's "out of memory" error, which ends the scheduler)."""
+    budget = {"budget": "within", "budget_bytes": 4 * PAGE_COST, "budget_dir": str(tmp_path)}
+    one = HiCacheStack(msgspec.structs.replace(config(Policy.LEDGER), **budget))
+    other = HiCacheStack(msgspec.structs.replace(config(Policy.LEDGER), **budget))
+    stacks.extend((one, other))
+    one.step()
+    other.step()
+    bridge = one.engine.bridge
+    bridge.step()  # a step begins: admission counts, then allocations
+    # The padding pages hold 2 of the 4 pages: its own (63 free slots) and 2 more.
+    assert one.allocator.available_size() == 63 + 2 * 64
+    assert one.allocator.alloc(32) is not None  # the first of the batch's allocs
+    assert other.allocator.available_size() == 63, "the other engine sees only its own padding page"
+    assert other.allocator.alloc(64) is None
+    assert one.allocator.alloc(159) is not None, "what the count promised was still leased"
+    bridge.step_done()
+    assert one.mapped_pages == 3

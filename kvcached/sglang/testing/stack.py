@@ -93,7 +93,9 @@ class HiCacheStack:
         }
 
     def step(self) -> None:
+        """One scheduler step that builds nothing: what the test does next happens between steps."""
         self.engine.bridge.step()
+        self.engine.bridge.step_done()
 
     def drain_acks(self) -> int:
         """Pop the finished acks at the head of both queues (the tree's checks); how many."""
