@@ -12,7 +12,8 @@
 #   4. .venv-sglang (SGLang 0.5.23): kvcached's pages under SGLang's real KV pool, token allocator,
 #      HiCache host pool and HiCacheController, copies deferred by a stand-in (tests/sglang_engine);
 #   5. .venv-cpu (vLLM's CPU build 0.32.0): the plugin's startup checks and KV layouts, the same
-#      scenarios on 0.32.0, and `vllm serve` end to end (native vs kvcached, both policies).
+#      scenarios on 0.32.0, and `vllm serve` end to end (native vs kvcached, both policies), and
+#      beside an SGLang server (from .venv-sglang) on one memory budget.
 # Extra arguments go to the first pytest run.
 source "$(dirname "$0")/_env.sh"
 .venv/bin/python -m pytest -q "$@"
@@ -40,4 +41,6 @@ ensure_sglang_env
 .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang_engine
 echo "--- vLLM's CPU build 0.32.0: the scenarios again, the plugin, and vllm serve end to end"
 ensure_cpu_env
-.venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler tests/serve
+# tests/serve/test_mixed_budget_e2e.py runs an SGLang server (step 4's environment) beside vllm serve.
+KVCACHED_SGLANG_PYTHON="$PWD/.venv-sglang/bin/python" \
+    .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler tests/serve

@@ -12,8 +12,9 @@ import pytest
 # vLLM loads its plugins in this process too (EngineArgs.create_engine_config does): a developer's
 # ENABLE_KVCACHED=1 would patch vLLM's allocation here, and the tests that compare kvcached's
 # allocation with vLLM's own would compare kvcached with itself. Servers get their own settings.
-# KVCACHED_CAPTURE_DIR is the tests' own (scripts/regen-golden.sh keeps the served journals there).
-_KEEP = {"KVCACHED_CAPTURE_DIR"}
+# KVCACHED_CAPTURE_DIR is the tests' own (scripts/regen-golden.sh keeps the served journals there),
+# and so is KVCACHED_SGLANG_PYTHON (scripts/test.sh: SGLang's interpreter, for the mixed budget test).
+_KEEP = {"KVCACHED_CAPTURE_DIR", "KVCACHED_SGLANG_PYTHON"}
 for _name in [n for n in os.environ if n == "ENABLE_KVCACHED" or (n.startswith("KVCACHED_") and n not in _KEEP)]:
     del os.environ[_name]
 
