@@ -4,7 +4,12 @@
 # a CUDA torch, cuda-python (cuda-bindings) and pytest; needs no network and no msgspec. Takes well under a
 # minute on an H200; each step has its own timeout so a hang cannot eat the device budget. The gpu tests include
 # tests/gpu/test_step_channel_cuda.py: tensor parallel's CUDA path (two spawned rank processes, each on its own VMM
-# range, following the scheduler's page decisions carried with each step).
+# range, following the scheduler's page decisions carried with each step), and tests/gpu/test_sglang_cuda.py: the
+# SGLang engine's per-layer K and V on CUDA pages, a HiCache backup's copy on a side stream with a real CUDA event,
+# pending across /flush_cache (legacy: unmapped under it; ledger: kept until the event is done). That one imports the
+# ledger service, so it needs anyio beside msgspec: carry both (.whl/, for the image's python, e.g.
+# `pip download msgspec anyio sniffio idna --only-binary :all: --python-version 3.12 -d .whl`). Where the image has
+# SGLang itself, tests/sglang_engine runs too (kvcached under SGLang's own pool, allocator, host pool and controller).
 #
 # pytest runs with a throwaway ini and --noconftest on purpose: the project's pyproject options (asyncio_mode,
 # plugins) and any conftest the CPU suite grows must not be able to break or skip this run.
@@ -52,12 +57,22 @@ PY
         --durations=5
     local rc_tests=$?
 
+    echo "== SGLang's own classes (tests/sglang_engine), where the image has SGLang"
+    local rc_sglang=0
+    if "$PY" -c "import sglang.srt.managers.cache_controller" >/dev/null 2>&1; then
+        timeout 300 "$PY" -m pytest -q tests/sglang_engine -p no:cacheprovider -c "$ini" --rootdir=. --noconftest -rs \
+            -k "not serve"
+        rc_sglang=$?
+    else
+        echo "SGLang is not in this image: tests/sglang_engine not run (tests/gpu/test_sglang_cuda.py ran above)"
+    fi
+
     echo "== benchmarks/bench_backend_cuda.py"
     timeout 120 "$PY" benchmarks/bench_backend_cuda.py
     local rc_bench=$?
 
-    echo "== gpu_check: env rc=$rc_env tests rc=$rc_tests bench rc=$rc_bench"
-    [ "$rc_env" -eq 0 ] && [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+    echo "== gpu_check: env rc=$rc_env tests rc=$rc_tests sglang rc=$rc_sglang bench rc=$rc_bench"
+    [ "$rc_env" -eq 0 ] && [ "$rc_tests" -eq 0 ] && [ "$rc_sglang" -eq 0 ] && [ "$rc_bench" -eq 0 ]
 }
 
 main 2>&1 | tee "$OUT/gpu_check.log"

@@ -141,6 +141,14 @@ def test_what_the_gpu_checks_import_stands_without_anyio_or_vllm() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_the_sglang_engine_imports_without_sglang() -> None:
+    """tests/gpu/test_sglang_cuda.py runs kvcached's SGLang engine on a GPU image without SGLang:
+    the engine, its bridge and its control import neither SGLang nor vLLM (the hooks and the
+    allocator, which subclass or patch SGLang's classes, do)."""
+    code = "import sys; sys.modules.update(sglang=None, vllm=None, rich=None); import kvcached.sglang.engine"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_kvsim_without_vllm_says_what_to_install_in_one_line() -> None:
     code = "import sys; sys.modules['vllm'] = None; from kvsim.cli import main; sys.exit(main(['run', '--seeds', '1']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
