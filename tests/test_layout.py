@@ -96,7 +96,7 @@ OPTIONAL_USERS = {
     # kvcached.vllm.testing.elastic: the main job's timeline plot, imported lazily (no plot without it);
     # the demo's .venv-cpu gets it from the `test` extra.
     "matplotlib": ("kvreplay.plot", "kvcached.vllm.testing.elastic"),
-    "psutil": ("kvcached.testing", "kvcached.vllm.testing"),
+    "psutil": ("kvcached.testing", "kvcached.vllm.testing", "kvcached.sglang.testing"),
 }
 
 
