@@ -193,6 +193,13 @@ class PageAllocator:
     def shrinking(self) -> bool:
         return self.mapped > self.limit
 
+    @property
+    def in_use_over_limit(self) -> int:
+        """Pages in use beyond the limit: what only frees of their blocks can give back (0 when
+        the limit is met). An engine whose cache holds blocks it would free only on demand
+        (SGLang's tree) evicts for them."""
+        return max(0, len(self._in_use) - self.limit)
+
     def pages_available(self) -> int:
         """Pages that ``alloc_page`` can hand out now without exceeding the limit."""
         if self.shrinking:

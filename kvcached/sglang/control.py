@@ -6,9 +6,11 @@ engine's lock, which every scheduler call kvcached wraps holds; SGLang's allocat
 too many places to wrap them all, so a limit is handed to the scheduler's thread instead and
 applied at its next step (``Bridge.step``), which SGLang's event loop takes continuously, busy or
 idle. The memory report reads the allocator's counts as they are between two such changes.
-What a lowered limit cannot take at once (pages holding a running request's or a cached tree
-node's slots) goes as SGLang frees them; SGLang evicts its tree only when it needs slots, so an
-idle engine's full prefix cache stays over the limit until ``/flush_cache`` or new requests.
+What a lowered limit cannot take at once goes as SGLang frees the slots: a running request's when
+it ends; a cached tree node's only when SGLang evicts it, which it does only when it needs slots.
+So while pages in use are over the limit, each step evicts as many tokens as those pages hold
+from SGLang's tree (``evict``, least recently used first, as SGLang would), and an idle engine
+with a full prefix cache reaches its limit too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -41,6 +44,10 @@ class SglangControl:
         self._info = info
         self._lock = threading.Lock()
         self._pending: tuple[int, threading.Event] | None = None
+        # Evicts up to n tokens of SGLang's tree cache (set by the scheduler's hook, ``hooks._step``).
+        self.evict_cached: Callable[[int], int] | None = None
+        g = manager.geometry
+        self._slots_per_page = g.page_bytes // g.block_bytes  # blocks are slots at page_size 1
 
     def info(self) -> EngineInfo:
         return self._info
@@ -84,6 +91,10 @@ class SglangControl:
             pages, done = pending
             self.manager.set_limit_pages(pages)
             done.set()
+        over = self.manager.allocator.in_use_over_limit
+        if over and self.evict_cached is not None:
+            # The pages empty once all their slots are evicted: their grace ends at a later step.
+            self.evict_cached(over * self._slots_per_page)
 
 
 def engine_info(

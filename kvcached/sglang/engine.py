@@ -166,6 +166,7 @@ class SglangEngine:
             self.close()
             raise
         self.bridge = Bridge(self.recorder, self.manager, pool, self.page_size)
+        self.control: SglangControl | None = None  # a served engine's (kvctl)
         socket = config.journal_service.socket if config.journal_service is not None else None
         if self.service is not None and socket:
             info = engine_info(
@@ -177,6 +178,7 @@ class SglangEngine:
                 page_size=g.page_bytes,
             )
             control = SglangControl(self.manager, self.budget, info, g.page_bytes * g.regions)
+            self.control = control
             self.service.service.control = control
             self.bridge.on_step = control.apply  # kvctl's limit, applied on the scheduler's thread
 

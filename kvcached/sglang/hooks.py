@@ -93,11 +93,18 @@ PATCHES: Final = (
     ),
 )
 
+# What kvcached calls in SGLang without patching it (checked as the patches are).
+_TREE = "sglang.srt.mem_cache.base_prefix_cache"
+CALLED: Final = (
+    Patch(_TREE, "BasePrefixCache", "evict", "a kvctl limit evicts the tree's cached nodes over it (LRU first)"),
+    Patch(_TREE, None, "EvictParams", "evict's argument (num_tokens)"),
+)
+
 
 def check() -> None:
     """Refuse, in one line, an SGLang that lacks a target (nothing is changed before)."""
     version = _version()
-    for p in PATCHES:
+    for p in (*PATCHES, *CALLED):
         try:
             owner: Any = importlib.import_module(p.module)
             if p.owner is not None:
@@ -163,12 +170,27 @@ def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     engine = engine_of(getattr(scheduler, "token_to_kv_pool_allocator", None))
     if engine is not None:
         engine.bridge.hold_frees = bool(getattr(scheduler, "enable_overlap", False))
+        control = engine.control
+        if control is not None and control.evict_cached is None:
+            tree = getattr(scheduler, "tree_cache", None)
+            if tree is not None:
+                control.evict_cached = _evictor(tree)
         engine.bridge.step()
     try:
         return original(scheduler, *args, **kwargs)
     finally:
         if engine is not None:
             engine.bridge.step_done()
+
+
+def _evictor(tree: Any) -> Any:
+    """Evict up to n tokens of ``tree``'s device cache, as SGLang evicts when it needs slots."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    def evict(n: int) -> int:
+        return int(tree.evict(EvictParams(num_tokens=n)).num_tokens_evicted)
+
+    return evict
 
 
 def install() -> None:

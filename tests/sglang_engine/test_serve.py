@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,8 @@ def test_the_ledger_journal_replays_clean_and_names_sglang(served) -> None:
 
 def test_kvctl_lists_and_limits_a_served_sglang_engine(tmp_path: Path) -> None:
     """The live socket of an SGLang engine: ``kvctl list`` names it, ``kvctl limit`` reaches its
-    allocator through the scheduler's next step, ``kvctl status`` reports the limit."""
+    allocator through the scheduler's next step, ``kvctl status`` reports the limit, and the idle
+    engine reaches it though its tree cache held the pages."""
     model = build(tmp_path / "tiny")
     site = cpu_platform.dist_info(str(tmp_path / "site"))
     runtime = tmp_path / "rt"
@@ -147,6 +149,14 @@ def test_kvctl_lists_and_limits_a_served_sglang_engine(tmp_path: Path) -> None:
         assert reply["limit_bytes"] == page
         after = kvctl("status")  # the one engine of this runtime directory
         assert after["memory"]["limit_pages"] == 1
+        # Idle, its tree full of the load's prefixes: the limit evicts them (SGLang itself evicts
+        # only when it needs slots), the pages empty and go at the following steps.
+        deadline = time.monotonic() + 20
+        while after["memory"]["shrink_pending"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            after = kvctl("status")
+        assert not after["memory"]["shrink_pending"], after["memory"]
+        assert after["memory"]["mapped_pages"] == 1, after["memory"]
     finally:
         release.touch()
         proc.wait(timeout=120)
