@@ -1,10 +1,16 @@
-"""SGLang's token allocator with kvcached choosing the slots, so that pages empty and go back.
+"""SGLang's token allocators with kvcached choosing the slots, so that pages empty and go back.
 
 SGLang's ``TokenToKVPoolAllocator`` (``mem_cache/allocator/token.py``, page_size 1) keeps its
 free slots in a tensor and hands out its head; freed slots go to its tail. Slots of one request
 end up spread over the whole pool and no page ever empties. This subclass asks the engine's
 ``KVCacheManager`` instead, which packs a request's slots onto pages of its own and records every
 alloc and free in the ledger; a page is unmapped when the ledger lets it go.
+
+At ``--page-size`` above 1 SGLang builds ``PagedTokenToKVPoolAllocator`` (``allocator/paged.py``):
+a request's slots are whole SGLang pages, each page a kvcached block. Its extend and decode
+placement (which slots of a request's last page come next, which new pages follow) is SGLang's
+own code, run over a ``free_pages`` tensor that holds exactly the pages kvcached allocated for
+the call (``get_num_new_pages`` says how many); frees of whole pages go to the ledger.
 
 SGLang's free groups are kept as its base class defines them (``free_group_begin`` /
 ``free_group_end``, ``allocator/base.py``): a free inside a group is held and freed at the end,
@@ -18,7 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.utils import get_num_new_pages
 
 from ..errors import ConfigError
 from .engine import SglangEngine, engine_of
@@ -42,7 +50,7 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
         if engine is None:  # SGLang's __init__ calls clear() before anything is allocated
             return
         manager = engine.manager
-        held = [b for b in range(1, manager.geometry.num_blocks) if manager.holds(b)]
+        held = [b for b in engine.sglang_blocks() if manager.holds(b)]
         engine.bridge.cache_reset()
         if held:
             manager.free(held)
@@ -82,3 +90,92 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
 
     def merge_and_sort_free(self) -> None:
         pass  # the manager keeps no unsorted release list
+
+
+class KvcachedPagedAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]  # SGLang is untyped here
+    """``PagedTokenToKVPoolAllocator`` over a kvcached pool: SGLang pages are the engine's blocks."""
+
+    def __init__(
+        self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
+    ) -> None:
+        engine = engine_of(kvcache)
+        if engine is None:
+            raise ConfigError("kvcached under SGLang: the paged allocator's KV pool is not on kvcached pages")
+        self._engine: SglangEngine = engine
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+
+    def clear(self) -> None:
+        super().clear()
+        self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)  # kvcached hands pages out
+        engine: SglangEngine | None = getattr(self, "_engine", None)
+        if engine is None:  # SGLang's __init__ calls clear() before anything is allocated
+            return
+        manager = engine.manager
+        held = [b for b in engine.sglang_blocks() if manager.holds(b)]
+        engine.bridge.cache_reset()
+        if held:
+            manager.free(held)
+        manager.drain_releasable()
+
+    def available_size(self) -> int:
+        engine = self._engine
+        n = int(engine.manager.available_size() * self.page_size)
+        if not engine.bridge.scheduling:  # as KvcachedTokenAllocator.available_size
+            engine.manager.drain_releasable()
+        return n
+
+    def _pages(self, n: int) -> bool:
+        """Put ``n`` pages kvcached allocates into ``free_pages`` for SGLang's placement code."""
+        engine = self._engine
+        manager = engine.manager
+        try:
+            if n > manager.available_size():
+                return False
+            self.free_pages = torch.tensor(manager.alloc(n) if n else [], dtype=torch.int64, device=self.device)
+            return True
+        finally:
+            if not engine.bridge.scheduling:  # as KvcachedTokenAllocator.alloc
+                manager.drain_releasable()
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        if not self._pages(need_size // self.page_size):
+            return None
+        out: torch.Tensor | None = super().alloc(need_size)
+        return out
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> torch.Tensor | None:
+        if num_new_pages is None:
+            num_new_pages = int(
+                get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu)
+            )
+        if not self._pages(num_new_pages):
+            return None
+        out: torch.Tensor | None = super().alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages
+        )
+        return out
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        if not self._pages(int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))):
+            return None
+        out: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        return out
+
+    def merge_and_sort_free(self) -> None:
+        pass  # no staged pages: freed pages go to kvcached
+
+    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+        pages = torch.cat(page_ids).tolist() if page_ids else []
+        if pages:
+            self._engine.bridge.free(pages)

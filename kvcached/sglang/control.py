@@ -37,7 +37,9 @@ APPLY_WAIT_S = 5.0
 class SglangControl:
     """The ``EngineControl`` of one SGLang engine (see the module docstring)."""
 
-    def __init__(self, manager: KVCacheManager, budget: Budget | None, info: EngineInfo, page_cost: int) -> None:
+    def __init__(
+        self, manager: KVCacheManager, budget: Budget | None, info: EngineInfo, page_cost: int, page_size: int = 1
+    ) -> None:
         self.manager = manager
         self.budget = budget
         self.page_cost = page_cost  # a page in every region: 2 * layers of them
@@ -47,7 +49,7 @@ class SglangControl:
         # Evicts up to n tokens of SGLang's tree cache (set by the scheduler's hook, ``hooks._step``).
         self.evict_cached: Callable[[int], int] | None = None
         g = manager.geometry
-        self._slots_per_page = g.page_bytes // g.block_bytes  # blocks are slots at page_size 1
+        self._slots_per_page = g.page_bytes // g.block_bytes * page_size  # a block is one SGLang page
 
     def info(self) -> EngineInfo:
         return self._info

@@ -2,8 +2,9 @@
 
 SGLang's ``MHATokenToKVPool`` owns one K and one V tensor per layer, indexed by token slot
 (``memory_pool.py``, ``_create_buffers_normal``), and its allocators hand out slot indices
-(``TokenToKVPoolAllocator``, page_size 1). kvcached puts those tensors on pages: a *block* is one
-SGLang page (``page_size`` slots, one slot at page_size 1), every layer's K and every layer's V is
+(``TokenToKVPoolAllocator`` at page_size 1, ``PagedTokenToKVPoolAllocator`` above, whole SGLang
+pages). kvcached puts those tensors on pages: a *block* is one SGLang page (``page_size`` slots,
+one slot at page_size 1), every layer's K and every layer's V is
 a region of its own (the per-layer layout, ``Layout.PER_LAYER``), and logical page ``p`` is
 mapped in all ``2 * layer_num`` regions at once. Block 0 is SGLang's padding slot, which padded
 tokens write into; it is taken at start and never freed, so its page stays mapped.
@@ -82,10 +83,6 @@ def pool_geometry(pool: Any, page_bytes: int) -> KVGeometry:
     SGLang page, ``size // page_size + 1`` of them (page 0 is the padding page), one region per
     layer's K and per layer's V."""
     page_size: int = pool.page_size
-    if page_size != 1:
-        # Only TokenToKVPoolAllocator (page_size 1, SGLang's default) is kvcached's yet; the
-        # paged allocator would hand out slots the ledger never hears of.
-        raise ConfigError(f"kvcached under SGLang: --page-size {page_size} is not supported yet (use 1, the default)")
     rows = pool.size + page_size
     if pool.v_head_dim != pool.head_dim:
         raise ConfigError(
@@ -103,10 +100,13 @@ def pool_geometry(pool: Any, page_bytes: int) -> KVGeometry:
         raise ConfigError(
             f"kvcached under SGLang: a {page_bytes:,}-byte page does not hold whole blocks of {block_bytes:,} bytes "
             f"({page_size} token(s) x {pool.head_num} heads x {pool.head_dim} x {pool.store_dtype}); "
-            f"choose KVCACHED_PAGE_SIZE_MB as a multiple of {mib(block_bytes)}"
+            f"choose a --page-size whose pages tile it (a power of two) or KVCACHED_PAGE_SIZE_MB as a multiple of "
+            f"{mib(block_bytes)}"
         )
     return KVGeometry(
-        num_blocks=rows // page_size,
+        # A partial last page (a size not a multiple of page_size) still has rows in SGLang's
+        # tensors; SGLang never hands it out (``PagedTokenToKVPoolAllocator``: size // page_size pages).
+        num_blocks=-(-rows // page_size),
         block_bytes=block_bytes,
         page_bytes=page_bytes,
         num_layers=2 * pool.layer_num,
@@ -159,14 +159,16 @@ class SglangEngine:
                 placement=config.placement,
                 budget=self.budget,
             )
-            # SGLang's padding page: padded tokens write into slot 0 (``TokenToKVPoolAllocator.clear``).
-            self.manager.take([0])
+            # SGLang's padding page: padded tokens write into slot 0 (``TokenToKVPoolAllocator.clear``);
+            # and a partial last page, which SGLang never hands out.
+            self.manager.take([0, *range(pool.size // self.page_size + 1, g.num_blocks)])
             self.manager.drain_releasable()  # the lease the count took, back to the budget
         except BaseException:
             self.close()
             raise
         self.bridge = Bridge(self.recorder, self.manager, pool, self.page_size)
         self.control: SglangControl | None = None  # a served engine's (kvctl)
+        self.allocator_checked = False  # hooks._step: the scheduler's allocator is kvcached's
         socket = config.journal_service.socket if config.journal_service is not None else None
         if self.service is not None and socket:
             info = engine_info(
@@ -177,7 +179,7 @@ class SglangEngine:
                 backend=self.backend.kind,
                 page_size=g.page_bytes,
             )
-            control = SglangControl(self.manager, self.budget, info, g.page_bytes * g.regions)
+            control = SglangControl(self.manager, self.budget, info, g.page_bytes * g.regions, self.page_size)
             self.control = control
             self.service.service.control = control
             self.bridge.on_step = control.apply  # kvctl's limit, applied on the scheduler's thread
@@ -186,9 +188,13 @@ class SglangEngine:
     def ledger(self) -> Any:
         return self.recorder.ledger
 
+    def sglang_blocks(self) -> range:
+        """The blocks SGLang's allocators hand out: its pages 1 to size // page_size."""
+        return range(1, self.pool.size // self.page_size + 1)
+
     def free_slots(self) -> int:
-        """Slots not allocated, whatever the limit or the budget lets be mapped (SGLang's pages
-        at page_size 1): what SGLang's accounting of its pool counts as free."""
+        """Slots not allocated, whatever the limit or the budget lets be mapped: what SGLang's
+        accounting of its pool counts as free."""
         return (self.geometry.num_blocks - self.manager.num_allocated) * self.page_size
 
     def buffers(self, dtype: torch.dtype, rows: int, row_shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:

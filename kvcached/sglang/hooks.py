@@ -53,6 +53,7 @@ _POOL = "sglang.srt.mem_cache.memory_pool"
 _L2 = "sglang.srt.mem_cache.l2_transfer"
 _SCHEDULER = "sglang.srt.managers.scheduler"
 _TOKEN = "sglang.srt.mem_cache.allocator.token"
+_PAGED = "sglang.srt.mem_cache.allocator.paged"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker"
 
 PATCHES: Final = (
@@ -90,6 +91,13 @@ PATCHES: Final = (
         None,
         "TokenToKVPoolAllocator",
         "KVCacheConfigurator._build_token_to_kv_pool_allocator builds it for page_size 1",
+    ),
+    Patch(
+        _PAGED,
+        None,
+        "PagedTokenToKVPoolAllocator",
+        "KVCacheConfigurator._build_token_to_kv_pool_allocator builds it for page_size > 1 (unless the platform "
+        "names its own: get_paged_allocator_cls, refused at the first step)",
     ),
 )
 
@@ -167,8 +175,12 @@ def _check_pools(original: Any, checker: Any, stats: Any, *args: Any, **kwargs: 
 
 
 def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    engine = engine_of(getattr(scheduler, "token_to_kv_pool_allocator", None))
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    engine = engine_of(allocator)
     if engine is not None:
+        if not engine.allocator_checked:
+            _check_allocator(allocator)
+            engine.allocator_checked = True
         engine.bridge.hold_frees = bool(getattr(scheduler, "enable_overlap", False))
         control = engine.control
         if control is not None and control.evict_cached is None:
@@ -181,6 +193,18 @@ def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     finally:
         if engine is not None:
             engine.bridge.step_done()
+
+
+def _check_allocator(allocator: Any) -> None:
+    """A pool on kvcached pages must be allocated from by kvcached: SGLang's own allocator would
+    hand out slots on pages never mapped (a platform may name its own paged allocator class)."""
+    from .allocator import KvcachedPagedAllocator, KvcachedTokenAllocator
+
+    if not isinstance(allocator, (KvcachedTokenAllocator, KvcachedPagedAllocator)):
+        raise SystemExit(
+            f"kvcached under SGLang: the scheduler allocates with {type(allocator).__qualname__}, not kvcached's "
+            "allocator (a platform's own paged allocator?); disable kvcached for this server"
+        )
 
 
 def _evictor(tree: Any) -> Any:
@@ -227,12 +251,13 @@ def enable(config: SglangConfig) -> None:
     """kvcached under every KV pool this process builds from now on (a server's plugin)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from .allocator import KvcachedTokenAllocator
+    from .allocator import KvcachedPagedAllocator, KvcachedTokenAllocator
 
     global _config
     install()
     _config = config
     HookRegistry.register(f"{_TOKEN}.TokenToKVPoolAllocator", KvcachedTokenAllocator, HookType.REPLACE)
+    HookRegistry.register(f"{_PAGED}.PagedTokenToKVPoolAllocator", KvcachedPagedAllocator, HookType.REPLACE)
     HookRegistry.apply_hooks()
 
 

@@ -14,12 +14,15 @@ PROBE = textwrap.dedent(
     import torch
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang.srt.mem_cache.allocator import token
+    from sglang.srt.mem_cache.allocator import paged, token
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from kvcached.sglang.engine import engine_of
     pool = MHATokenToKVPool(size=255, page_size=PAGE_SIZE, dtype=torch.float32, head_num=2, head_dim=8,
                             layer_num=2, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
-    alloc = token.TokenToKVPoolAllocator(255, torch.float32, "cpu", pool, need_sort=False)
+    if PAGE_SIZE == 1:
+        alloc = token.TokenToKVPoolAllocator(255, torch.float32, "cpu", pool, need_sort=False)
+    else:
+        alloc = paged.PagedTokenToKVPoolAllocator(255, PAGE_SIZE, torch.float32, "cpu", pool, need_sort=False)
     engine = engine_of(pool)
     print(type(alloc).__name__, engine is not None and engine.backend.kind,
           engine is not None and engine.ledger.header.policy.value)
@@ -46,13 +49,20 @@ def test_off_sglang_runs_as_shipped() -> None:
     assert done.stdout.split() == ["TokenToKVPoolAllocator", "False", "False"]
 
 
+def test_enabled_at_a_page_size_above_one_the_paged_allocator_is_kvcached() -> None:
+    done = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host"}, page_size=16)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["KvcachedPagedAllocator", "host", "ledger"]
+
+
 def test_a_bad_setting_or_page_size_is_refused_in_one_line() -> None:
     bad = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_LEDGER_POLICY": "sometimes"})
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1].startswith("kvcached: KVCACHED_LEDGER_POLICY")
     assert "Traceback" not in bad.stderr
-    paged = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host"}, page_size=16)
-    assert paged.returncode != 0
-    assert paged.stderr.strip().splitlines()[-1] == (
-        "kvcached under SGLang: --page-size 16 is not supported yet (use 1, the default)"
-    )
+    # SGLang pages of 3 slots (192 bytes a region) do not tile a 2 MiB page.
+    odd = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host"}, page_size=3)
+    assert odd.returncode != 0
+    last = odd.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvcached under SGLang: a 2,097,152-byte page does not hold whole blocks of 192 bytes"), last
+    assert "Traceback" not in odd.stderr

@@ -32,27 +32,30 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dic
     model = build(root / "tiny")
     site = cpu_platform.dist_info(str(root / "site"))
     runs = {}
-    for variant in ("native", "legacy", "ledger"):
+    # At --page-size 16 SGLang's paged allocator: kvcached's subclass places as SGLang does.
+    for variant in ("native", "legacy", "ledger", "native-p16", "ledger-p16"):
+        policy, _, paged = variant.partition("-")
         journal = root / f"{variant}.kvj"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_"))}
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])), HF_HUB_OFFLINE="1")
-        if variant != "native":
+        if policy != "native":
             env.update(
                 ENABLE_KVCACHED="1",
                 KVCACHED_BACKEND="host",
-                KVCACHED_LEDGER_POLICY=variant,
+                KVCACHED_LEDGER_POLICY=policy,
                 KVCACHED_LEDGER_JOURNAL=str(journal),
                 KVCACHED_LEDGER_SOCKET=str(root / f"{variant}.sock"),
                 KVCACHED_DUMP_DIR=str(root / "dumps"),
                 # 16 slots a page (1 KiB a slot in each of the 16 regions: 8 layers' K and V),
-                # so that the 160-slot pool spans 11 pages and pages come and go with requests.
+                # so that the 160-slot pool spans 11 pages and pages come and go with requests
+                # (at --page-size 16, one SGLang page a kvcached page).
                 KVCACHED_PAGE_SIZE_MB="0.015625",
                 # No reserve (kvcached PR #598's reproduction settings): an emptied page goes.
                 KVCACHED_MIN_RESERVED_PAGES="0",
                 KVCACHED_MAX_RESERVED_PAGES="0",
             )
         done = subprocess.run(
-            [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model)],
+            [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model), "--page-size", paged[1:] or "1"],
             capture_output=True,
             text=True,
             env=env,
@@ -77,6 +80,20 @@ def test_kvcached_serves_what_native_serves(served, policy) -> None:
     native, _ = served["native"]
     lines, _ = served[policy]
     assert lines == native
+
+
+def test_the_paged_allocator_serves_what_native_sglang_serves(served) -> None:
+    native, _ = served["native-p16"]
+    lines, journal = served["ledger-p16"]
+    assert lines == native and native[3]["host"] > 0, "A came back from the host tier"
+    contents = read_journal(journal)
+    ledger = Ledger(contents.header)
+    for ev in contents.events:
+        ledger.apply(ev)
+    assert ledger.violations == []
+    # A block is an SGLang page of 16 slots, a kvcached page of 16 KiB holds one: 10 and padding.
+    assert contents.header.pools[0].num_blocks == 11
+    assert ledger.jobs_built >= 4 and ledger.unmaps > 0
 
 
 def test_the_ledger_journal_replays_clean_and_names_sglang(served) -> None:

@@ -9,15 +9,16 @@ in the environment, kvcached's plugin puts the pool on its pages. The load is kv
 validation load at tiny scale: prompts of 60 tokens, 8 greedy tokens each, A B C A B A (A and B
 come back from the host), then a flush right after a request (its backup may still be
 acknowledged later) and A again. ``--hold FILE`` keeps the engine up after the load until FILE
-exists, so that a test can steer it with ``kvctl``.
+exists, so that a test can steer it with ``kvctl``; ``--page-size N`` serves with SGLang pages of N
+slots (its paged allocator) and a pool of as many slots.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
-import sys
 import time
 
 WORDS = ("river", "stone", "cloud", "paper", "signal", "window", "garden", "engine", "silver", "harbor")
@@ -30,14 +31,19 @@ def prompt(name: str, n: int = 60) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--hold", metavar="FILE")
+    parser.add_argument("--page-size", type=int, default=1)
+    args = parser.parse_args()
     import sglang as sgl
 
     engine = sgl.Engine(
-        model_path=sys.argv[1],
+        model_path=args.model,
         device="cpu",
         attention_backend="torch_native",
         disable_cuda_graph=True,
-        page_size=1,
+        page_size=args.page_size,
         max_total_tokens=160,
         grammar_backend="none",
         log_level="warning",
@@ -67,10 +73,10 @@ def main() -> None:
                 ),
                 flush=True,
             )
-        if len(sys.argv) > 2:  # --hold FILE: stay up (for kvctl) until FILE exists, 120 s at most
+        if args.hold:  # stay up (for kvctl) until the file exists, 120 s at most
             print(json.dumps({"held": os.getpid()}), flush=True)
             deadline = time.monotonic() + 120
-            while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+            while not os.path.exists(args.hold) and time.monotonic() < deadline:
                 time.sleep(0.1)
     finally:
         engine.shutdown()
