@@ -1,13 +1,14 @@
 """kvcached under one SGLang KV pool: its memory on elastic pages, its ledger, its journal.
 
 SGLang's ``MHATokenToKVPool`` owns one K and one V tensor per layer, indexed by token slot
-(``memory_pool.py``, ``_create_buffers_normal``), and its allocators hand out slot indices
+(``memory_pool.py``, ``_create_buffers_normal``); its ``MLATokenToKVPool`` (DeepSeek's MLA) one
+latent tensor per layer (``_create_buffers``); its allocators hand out slot indices
 (``TokenToKVPoolAllocator`` at page_size 1, ``PagedTokenToKVPoolAllocator`` above, whole SGLang
 pages). kvcached puts those tensors on pages: a *block* is one SGLang page (``page_size`` slots,
-one slot at page_size 1), every layer's K and every layer's V is
-a region of its own (the per-layer layout, ``Layout.PER_LAYER``), and logical page ``p`` is
-mapped in all ``2 * layer_num`` regions at once. Block 0 is SGLang's padding slot, which padded
-tokens write into; it is taken at start and never freed, so its page stays mapped.
+one slot at page_size 1), every layer's K, V or latent is a region of its own (the per-layer
+layout, ``Layout.PER_LAYER``), and logical page ``p`` is mapped in all regions at once. Block 0
+is SGLang's padding slot, which padded tokens write into; it is taken at start and never freed,
+so its page stays mapped.
 
 The same core serves vLLM: ``KVCacheManager`` chooses blocks and records every alloc and free,
 the ledger decides what may be unmapped, the journal has the format ``kvreplay`` reads. What is
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..backends import make_backend
+from ..backends import cuda_visible, make_backend
 from ..backends.base import Backend
 from ..budget import Budget
 from ..errors import ConfigError
@@ -32,7 +33,7 @@ from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout, Placement
 from ..ledger.events import Header, Policy
 from ..ledger.ledger import Ledger
 from ..ledger.recorder import Recorder
-from ..page_size import mib
+from ..page_size import choose_page
 from ..service.config import ServiceConfig
 from ..service.ledger_service import BackgroundService
 from ..version import KVCACHED_VERSION
@@ -53,6 +54,9 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     policy: Policy = Policy.LEDGER
     page_bytes: int = 2 << 20
+    # KVCACHED_PAGE_SIZE_MB was set: the page is taken as it is (or refused); else kvcached may
+    # choose a page of whole blocks near it (``page_size.choose_page``: MLA's 576-wide latent).
+    page_bytes_set: bool = True
     backend: str = "auto"  # kvcached.backends.make_backend: "cuda", "host" or "auto"
     max_reserved_pages: int = 0
     placement: Placement = Placement.WHOLE_PAGES
@@ -78,38 +82,53 @@ def sglang_version() -> str:
     return version("sglang")
 
 
-def pool_geometry(pool: Any, page_bytes: int) -> KVGeometry:
-    """The geometry of SGLang pool ``pool`` (an ``MHATokenToKVPool`` being built): one block per
-    SGLang page, ``size // page_size + 1`` of them (page 0 is the padding page), one region per
-    layer's K and per layer's V."""
+def is_mla(pool: Any) -> bool:
+    """Whether ``pool`` is an ``MLATokenToKVPool``: one latent (``kv_cache_dim`` wide) per token
+    and layer, in one buffer per layer (``kv_buffer``), in place of K and V."""
+    return hasattr(pool, "kv_lora_rank") and hasattr(pool, "kv_cache_dim")
+
+
+def pool_geometry(pool: Any, page_bytes: int, *, backend: str = "host", page_set: bool = True) -> KVGeometry:
+    """The geometry of SGLang pool ``pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool`` being
+    built): one block per SGLang page, ``size // page_size + 1`` of them (page 0 is the padding
+    page), one region per layer's K and per layer's V, or per layer's latent (MLA); the page is
+    ``page_bytes`` or, unless ``page_set``, one of whole blocks on ``backend`` near it."""
     page_size: int = pool.page_size
     rows = pool.size + page_size
-    if pool.v_head_dim != pool.head_dim:
-        raise ConfigError(
-            f"kvcached under SGLang: K and V heads of different widths ({pool.head_dim}, {pool.v_head_dim}) "
-            "are not supported yet"
-        )
-    if pool.kv_cache_layout not in ("nhd", None):
-        raise ConfigError(
-            f"kvcached under SGLang: KV cache layout {pool.kv_cache_layout!r} is not supported (nhd only)"
-        )
-    block_bytes = page_size * pool.head_num * pool.head_dim * pool.store_dtype.itemsize
-    if page_bytes % block_bytes:
-        # A region must be a plain array of slots for SGLang's kernels to index it, so a page
-        # holds whole blocks and nothing else.
-        raise ConfigError(
-            f"kvcached under SGLang: a {page_bytes:,}-byte page does not hold whole blocks of {block_bytes:,} bytes "
-            f"({page_size} token(s) x {pool.head_num} heads x {pool.head_dim} x {pool.store_dtype}); "
-            f"choose a --page-size whose pages tile it (a power of two) or KVCACHED_PAGE_SIZE_MB as a multiple of "
-            f"{mib(block_bytes)}"
-        )
+    if is_mla(pool):
+        if getattr(pool, "use_dsa", False):
+            raise ConfigError("kvcached under SGLang: DeepSeek sparse attention's pools (DSA) are not supported yet")
+        row_bytes = pool.kv_cache_dim * pool.store_dtype.itemsize
+        regions = pool.layer_num
+        what = f"{page_size} token(s) x {pool.kv_cache_dim} x {pool.store_dtype}"
+    else:
+        if pool.v_head_dim != pool.head_dim:
+            raise ConfigError(
+                f"kvcached under SGLang: K and V heads of different widths ({pool.head_dim}, {pool.v_head_dim}) "
+                "are not supported yet"
+            )
+        if pool.kv_cache_layout not in ("nhd", None):
+            raise ConfigError(
+                f"kvcached under SGLang: KV cache layout {pool.kv_cache_layout!r} is not supported (nhd only)"
+            )
+        row_bytes = pool.head_num * pool.head_dim * pool.store_dtype.itemsize
+        regions = 2 * pool.layer_num
+        what = f"{page_size} token(s) x {pool.head_num} heads x {pool.head_dim} x {pool.store_dtype}"
+    block_bytes = page_size * row_bytes
+    # A region must be a plain array of slots for SGLang's kernels to index it, so a page holds
+    # whole blocks and nothing else; no ``tokens``: the block-size hint is vLLM's flag.
+    try:
+        page_bytes = choose_page(block_bytes, backend=backend, page_bytes=page_bytes, page_set=page_set).page_bytes
+    except ConfigError as e:
+        said = str(e).removeprefix("kvcached: ").replace("a KV block takes", f"a KV block ({what}) takes", 1)
+        raise ConfigError(f"kvcached under SGLang: {said}") from None
     return KVGeometry(
         # A partial last page (a size not a multiple of page_size) still has rows in SGLang's
         # tensors; SGLang never hands it out (``PagedTokenToKVPoolAllocator``: size // page_size pages).
         num_blocks=-(-rows // page_size),
         block_bytes=block_bytes,
         page_bytes=page_bytes,
-        num_layers=2 * pool.layer_num,
+        num_layers=regions,
         layout=Layout.PER_LAYER,
     )
 
@@ -120,7 +139,10 @@ class SglangEngine:
     def __init__(self, pool: Any, config: SglangConfig) -> None:
         self.closed = False
         self.config = config
-        self.geometry = g = pool_geometry(pool, config.page_bytes)
+        kind = config.backend.strip().lower()
+        if kind == "auto":
+            kind = "cuda" if cuda_visible() else "host"
+        self.geometry = g = pool_geometry(pool, config.page_bytes, backend=kind, page_set=config.page_bytes_set)
         self.page_size: int = pool.page_size
         self.pool = pool  # the SGLang pool whose slots are this engine's blocks
         header = Header(
@@ -197,20 +219,21 @@ class SglangEngine:
         accounting of its pool counts as free."""
         return (self.geometry.num_blocks - self.manager.num_allocated) * self.page_size
 
-    def buffers(self, dtype: torch.dtype, rows: int, row_shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
-        """Per-layer K and V tensors of ``rows`` slots on kvcached's range: region ``2l`` is layer
-        ``l``'s K, region ``2l + 1`` its V."""
+    def region_views(self, dtype: torch.dtype, rows: int, row_shape: tuple[int, ...]) -> list[Any]:
+        """Each region's first ``rows`` slots on kvcached's range, as ``(rows, *row_shape)`` of ``dtype``."""
         g = self.geometry
         whole = self.backend.tensor()
         region = g.num_pages * g.page_bytes
         row_bytes = g.block_bytes // self.page_size
-        k: list[Any] = []
-        v: list[Any] = []
-        for layer in range(g.num_layers // 2):
-            for r, out in ((2 * layer, k), (2 * layer + 1, v)):
-                start = r * region
-                out.append(whole[start : start + rows * row_bytes].view(dtype).view(rows, *row_shape))
-        return k, v
+        return [
+            whole[r * region : r * region + rows * row_bytes].view(dtype).view(rows, *row_shape)
+            for r in range(g.num_layers)
+        ]
+
+    def buffers(self, dtype: torch.dtype, rows: int, row_shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+        """Per-layer K and V tensors (MHA): region ``2l`` is layer ``l``'s K, region ``2l + 1`` its V."""
+        views = self.region_views(dtype, rows, row_shape)
+        return views[0::2], views[1::2]
 
     def close(self) -> None:
         """The journal (and the service), then the pages, then this engine's share of the

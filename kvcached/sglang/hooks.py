@@ -64,6 +64,12 @@ PATCHES: Final = (
         "allocates the per-layer K and V tensors (torch.zeros); kvcached's are views of its page range",
     ),
     Patch(
+        _POOL,
+        "MLATokenToKVPool",
+        "_create_buffers",
+        "allocates the per-layer latent tensors of MLA (kv_buffer, torch.zeros); kvcached's are views of its range",
+    ),
+    Patch(
         _L2,
         "L2TransferEngine",
         "submit_device_to_host",
@@ -139,18 +145,32 @@ def _version() -> str:
 _config: SglangConfig | None = None
 
 
-def _create_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
-    if _config is None:
-        return original(pool, *args, **kwargs)
+def _engine_for(pool: Any) -> SglangEngine:
+    assert _config is not None
     try:
         engine = SglangEngine(pool, _config)
     except ConfigError as e:
         # Raised inside SGLang's scheduler process, which logs an exception with its traceback.
         raise SystemExit(str(e) if str(e).startswith("kvcached") else f"kvcached: {e}") from None
     setattr(pool, ENGINE_ATTR, engine)
+    log.info("[kvcached] SGLang %s pool on elastic pages: %s", type(pool).__name__, engine.manager.state().describe())
+    return engine
+
+
+def _create_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
+    if _config is None:
+        return original(pool, *args, **kwargs)
+    engine = _engine_for(pool)
     rows = pool.size + pool.page_size
     pool.k_buffer, pool.v_buffer = engine.buffers(pool.store_dtype, rows, (pool.head_num, pool.head_dim))
-    log.info("[kvcached] SGLang KV pool on elastic pages: %s", engine.manager.state().describe())
+    return None
+
+
+def _create_latent_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
+    if _config is None:
+        return original(pool, *args, **kwargs)
+    engine = _engine_for(pool)
+    pool.kv_buffer = engine.region_views(pool.store_dtype, pool.size + pool.page_size, (1, pool.kv_cache_dim))
     return None
 
 
@@ -227,6 +247,7 @@ def install() -> None:
     check()
     around = {
         "_create_buffers_normal": _create_buffers,
+        "_create_buffers": _create_latent_buffers,
         "submit_device_to_host": _submit(JobKind.STORE),
         "submit_host_to_device": _submit(JobKind.LOAD),
         "get_next_batch_to_run": _step,

@@ -32,6 +32,7 @@ def config_from(settings: Settings) -> SglangConfig:
     return SglangConfig(
         policy=settings.policy,
         page_bytes=settings.page_bytes,
+        page_bytes_set=settings.page_bytes_set,
         backend=settings.backend,
         max_reserved_pages=settings.max_reserved_pages,
         placement=Placement(settings.placement),

@@ -61,8 +61,11 @@ def test_a_bad_setting_or_page_size_is_refused_in_one_line() -> None:
     assert bad.stderr.strip().splitlines()[-1].startswith("kvcached: KVCACHED_LEDGER_POLICY")
     assert "Traceback" not in bad.stderr
     # SGLang pages of 3 slots (192 bytes a region) do not tile a 2 MiB page.
-    odd = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host"}, page_size=3)
+    odd = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host", "KVCACHED_PAGE_SIZE_MB": "2"}, page_size=3)
     assert odd.returncode != 0
     last = odd.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvcached under SGLang: a 2,097,152-byte page does not hold whole blocks of 192 bytes"), last
+    assert last.startswith(
+        "kvcached under SGLang: a KV block (3 token(s) x 2 heads x 8 x torch.float32) takes 192 B, which does not "
+        "divide the 2 MiB page KVCACHED_PAGE_SIZE_MB sets; set KVCACHED_PAGE_SIZE_MB=2.00390625 or 1.9921875"
+    ), last
     assert "Traceback" not in odd.stderr

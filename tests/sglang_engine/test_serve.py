@@ -23,18 +23,20 @@ import pytest
 from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
 from kvcached.sglang.testing import cpu_platform
+from kvcached.sglang.testing.serve import tiny_mla
 from kvcached.testing.tiny_model import build
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], Path]]:
     root = tmp_path_factory.mktemp("sglang-serve")
-    model = build(root / "tiny")
+    models = {"llama": build(root / "tiny"), "mla": tiny_mla(root / "tiny-mla")}
     site = cpu_platform.dist_info(str(root / "site"))
     runs = {}
-    # At --page-size 16 SGLang's paged allocator: kvcached's subclass places as SGLang does.
-    for variant in ("native", "legacy", "ledger", "native-p16", "ledger-p16"):
-        policy, _, paged = variant.partition("-")
+    # "-p16": at --page-size 16, SGLang's paged allocator (kvcached's subclass places as SGLang
+    # does); "-mla": the tiny DeepSeek-V2, whose pool is MLATokenToKVPool (a latent per layer).
+    for variant in ("native", "legacy", "ledger", "native-p16", "ledger-p16", "native-mla", "ledger-mla"):
+        policy, _, kind = variant.partition("-")
         journal = root / f"{variant}.kvj"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_"))}
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])), HF_HUB_OFFLINE="1")
@@ -48,14 +50,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dic
                 KVCACHED_DUMP_DIR=str(root / "dumps"),
                 # 16 slots a page (1 KiB a slot in each of the 16 regions: 8 layers' K and V),
                 # so that the 160-slot pool spans 11 pages and pages come and go with requests
-                # (at --page-size 16, one SGLang page a kvcached page).
-                KVCACHED_PAGE_SIZE_MB="0.015625",
+                # (at --page-size 16, one SGLang page a kvcached page). MLA's latent is 1,152 B a
+                # slot and layer: 32 slots to the smallest host page of whole slots (36 KiB).
+                KVCACHED_PAGE_SIZE_MB="0.03515625" if kind == "mla" else "0.015625",
                 # No reserve (kvcached PR #598's reproduction settings): an emptied page goes.
                 KVCACHED_MIN_RESERVED_PAGES="0",
                 KVCACHED_MAX_RESERVED_PAGES="0",
             )
+        model = models["mla" if kind == "mla" else "llama"]
+        page_size = "16" if kind == "p16" else "1"
         done = subprocess.run(
-            [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model), "--page-size", paged[1:] or "1"],
+            [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model), "--page-size", page_size],
             capture_output=True,
             text=True,
             env=env,
@@ -93,6 +98,21 @@ def test_the_paged_allocator_serves_what_native_sglang_serves(served) -> None:
     assert ledger.violations == []
     # A block is an SGLang page of 16 slots, a kvcached page of 16 KiB holds one: 10 and padding.
     assert contents.header.pools[0].num_blocks == 11
+    assert ledger.jobs_built >= 4 and ledger.unmaps > 0
+
+
+def test_an_mla_model_serves_on_kvcached_pages_as_native_sglang_does(served) -> None:
+    native, _ = served["native-mla"]
+    lines, journal = served["ledger-mla"]
+    assert lines == native and native[3]["host"] > 0, "A came back from the host tier"
+    assert len({tuple(x["output"]) for x in native}) >= 3, "a model that answers every prompt alike hides a wrong page"
+    contents = read_journal(journal)
+    ledger = Ledger(contents.header)
+    for ev in contents.events:
+        ledger.apply(ev)
+    assert ledger.violations == []
+    pool = contents.header.pools[0]
+    assert pool.block_bytes == 576 * 2 and pool.num_blocks == 161  # a slot: one bf16 latent of 576
     assert ledger.jobs_built >= 4 and ledger.unmaps > 0
 
 

@@ -7,9 +7,14 @@ take their torch paths, and being out of tree (``is_out_of_tree``) keeps rotary 
 vLLM's kernels (``layers/rotary_embedding/base.py``). Attention is SGLang's ``torch_native``.
 What a CPU still lacks, the general plugin supplies through ``HookRegistry``:
 
-* HiCache's copy kernel: ``pool_host/mha.py`` binds ``transfer_kv_direct`` from
-  ``sgl_kernel.kvcacheio`` only under CUDA; a torch copy stands in (``direct`` io, ``layer_first``);
-* the host pool's pinned memory (``cudaHostRegister`` needs a driver): ``pin_memory=False``;
+* HiCache's copy kernel: ``pool_host/mha.py`` and ``pool_host/mla.py`` bind ``transfer_kv_direct``
+  from ``sgl_kernel.kvcacheio`` only under CUDA; a torch copy stands in (``direct`` io, ``layer_first``);
+* the host pools' pinned memory (``cudaHostRegister`` needs a driver): ``pin_memory=False``;
+* DeepSeek's attention method on ``torch_native``: with no handler registered for it, SGLang
+  falls back to Triton's, whose MHA prefill (``forward_mha.py``, ``save_kv_cache=False``) hands the
+  backend K and V it does not read (``torch_native`` reads K back from the pool), and the first
+  prefill fails on a shape; the absorbed MLA path (``AttnForwardMethod.MLA``), which writes the
+  latent and attends over it, is registered for it;
 * the detokenizer's tool-call lookup (``parser/response_template.tool_close_tokens`` imports the
   function-call parser, hence xgrammar, before it looks at a parser of None).
 
@@ -71,19 +76,27 @@ def _unpinned_host_pool(original: Any, pool: Any, *args: Any, **kwargs: Any) -> 
     return original(pool, *args, **kwargs)
 
 
+def _absorbed_mla(attn: Any, forward_batch: Any) -> Any:
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return AttnForwardMethod.MLA
+
+
 def _no_parser_no_tokens(original: Any, parser: Any, tokenizer: Any) -> Any:
     return {} if parser is None else original(parser, tokenizer)
 
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point; ``load_plugins`` runs it in every SGLang process."""
-    from sglang.srt.mem_cache.pool_host import mha
+    from sglang.srt.mem_cache.pool_host import mha, mla
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     mha.transfer_kv_direct = transfer_kv_direct
-    HookRegistry.register(
-        "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost.__init__", _unpinned_host_pool, HookType.AROUND
-    )
+    mla.transfer_kv_direct = transfer_kv_direct
+    for host in ("mha.MHATokenToKVPoolHost", "mla.MLATokenToKVPoolHost"):
+        HookRegistry.register(f"sglang.srt.mem_cache.pool_host.{host}.__init__", _unpinned_host_pool, HookType.AROUND)
+    AttentionBackendRegistry.register("torch_native", _absorbed_mla)
     HookRegistry.register(
         "sglang.srt.parser.response_template.tool_close_tokens", _no_parser_no_tokens, HookType.AROUND
     )

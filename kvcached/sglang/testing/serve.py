@@ -20,6 +20,25 @@ import json
 import os
 import random
 import time
+from pathlib import Path
+
+
+def tiny_mla(out: str | Path) -> Path:
+    """The tiny DeepSeek-V2 (MLA) of ``kvcached.testing.tiny_kinds``, its config as SGLang's CPU path
+    builds it: a YaRN rope of factor 1 (plain rope; ``get_rope_cpu`` has DeepSeek's YaRN only) and
+    ``moe_layer_freq`` (SGLang's DeepSeek reads it; every layer is dense here anyway)."""
+    from kvcached.testing.tiny_kinds import build
+
+    path = build(out, "deepseek_v2")
+    config = json.loads((path / "config.json").read_text())
+    config["moe_layer_freq"] = 1
+    config["rope_parameters"] = {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
 
 WORDS = ("river", "stone", "cloud", "paper", "signal", "window", "garden", "engine", "silver", "harbor")
 ORDER = ("A", "B", "C", "A", "B", "A")
