@@ -28,8 +28,15 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages
 
-from ..errors import ConfigError
 from .engine import SglangEngine, engine_of
+
+
+def _not_ours(kvcache: Any) -> str:
+    # A SystemExit: raised in SGLang's scheduler process, whose loader logs an exception's traceback.
+    return (
+        f"kvcached under SGLang: the allocator's pool, {type(kvcache).__name__}, is not one kvcached puts on pages "
+        "(hybrid models' pools are not supported yet); disable kvcached (ENABLE_KVCACHED=0) for this model"
+    )
 
 
 class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # SGLang is untyped here
@@ -38,7 +45,7 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
     def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
         engine = engine_of(kvcache)
         if engine is None:
-            raise ConfigError("kvcached under SGLang: the token allocator's KV pool is not on kvcached pages")
+            raise SystemExit(_not_ours(kvcache))
         self._engine: SglangEngine = engine
         super().__init__(size, dtype, device, kvcache, need_sort)
 
@@ -100,7 +107,7 @@ class KvcachedPagedAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     ) -> None:
         engine = engine_of(kvcache)
         if engine is None:
-            raise ConfigError("kvcached under SGLang: the paged allocator's KV pool is not on kvcached pages")
+            raise SystemExit(_not_ours(kvcache))
         self._engine: SglangEngine = engine
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 

@@ -146,13 +146,25 @@ _config: SglangConfig | None = None
 
 
 def _engine_for(pool: Any) -> SglangEngine:
+    global _served
     assert _config is not None
+    if _served is not None and _served.config is _config and not _served.closed:
+        # One engine a scheduler process: its journal, its socket, its steps. A second pool is a
+        # hybrid model's (SWAKVPool's two sub-pools) or a draft model's, which kvcached does not
+        # take yet; refused before a second service could fight the first for its socket.
+        raise SystemExit(
+            f"kvcached under SGLang: this model builds a second KV pool ({type(pool).__name__} beside "
+            f"{type(_served.pool).__name__}: a sliding-window, hybrid or draft model), which kvcached does not support "
+            "yet; disable kvcached (ENABLE_KVCACHED=0) for this model"
+        )
     try:
         engine = SglangEngine(pool, _config)
     except ConfigError as e:
         # Raised inside SGLang's scheduler process, which logs an exception with its traceback.
         raise SystemExit(str(e) if str(e).startswith("kvcached") else f"kvcached: {e}") from None
     setattr(pool, ENGINE_ATTR, engine)
+    if _enabled:
+        _served = engine
     log.info("[kvcached] SGLang %s pool on elastic pages: %s", type(pool).__name__, engine.manager.state().describe())
     return engine
 
@@ -266,6 +278,8 @@ def install() -> None:
 
 
 _installed = False
+_enabled = False  # enable() ran: a server's process, one engine (pools_on_kvcached's tests build several)
+_served: SglangEngine | None = None
 
 
 def enable(config: SglangConfig) -> None:
@@ -274,9 +288,10 @@ def enable(config: SglangConfig) -> None:
 
     from .allocator import KvcachedPagedAllocator, KvcachedTokenAllocator
 
-    global _config
+    global _config, _enabled
     install()
     _config = config
+    _enabled = True
     HookRegistry.register(f"{_TOKEN}.TokenToKVPoolAllocator", KvcachedTokenAllocator, HookType.REPLACE)
     HookRegistry.register(f"{_PAGED}.PagedTokenToKVPoolAllocator", KvcachedPagedAllocator, HookType.REPLACE)
     HookRegistry.apply_hooks()

@@ -69,3 +69,33 @@ def test_a_bad_setting_or_page_size_is_refused_in_one_line() -> None:
         "divide the 2 MiB page KVCACHED_PAGE_SIZE_MB sets; set KVCACHED_PAGE_SIZE_MB=2.00390625 or 1.9921875"
     ), last
     assert "Traceback" not in odd.stderr
+
+
+HYBRID = textwrap.dedent(
+    """
+    import warnings; warnings.filterwarnings("ignore")
+    import torch
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    SWAKVPool(size=256, size_swa=128, page_size=1, dtype=torch.float32, head_num=2, head_dim=8,
+              swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+    print("built")
+    """
+)
+
+
+def test_a_hybrid_models_second_pool_is_refused_in_one_line(tmp_path) -> None:
+    """SWAKVPool (sliding-window hybrids) builds two MHA pools in one scheduler process: kvcached
+    takes one pool a process (its journal, its socket, its steps), so the second is refused, not
+    put on a second engine that nothing steps."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+    full.update(ENABLE_KVCACHED="1", KVCACHED_BACKEND="host", XDG_RUNTIME_DIR=str(tmp_path))  # the first's socket
+    done = subprocess.run([sys.executable, "-c", HYBRID], capture_output=True, text=True, env=full, timeout=300)
+    assert done.returncode != 0 and "built" not in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == (
+        "kvcached under SGLang: this model builds a second KV pool (MHATokenToKVPool beside MHATokenToKVPool: a "
+        "sliding-window, hybrid or draft model), which kvcached does not support yet; disable kvcached "
+        "(ENABLE_KVCACHED=0) for this model"
+    ), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
