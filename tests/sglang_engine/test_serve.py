@@ -5,7 +5,9 @@ serves the tiny llama with HiCache on (``kvcached.sglang.testing.serve``): three
 160-slot pool, so that the first two are evicted to the host tier and come back from it, then a
 flush and the first again. Native SGLang, kvcached ``legacy`` and kvcached ``ledger`` must give
 the same tokens and the same cache hits (device and host), and the ledger's journal must replay
-clean. The platform for a CPU without sgl-kernel is test scaffolding
+clean. The same for SGLang's paged allocator (``--page-size 16``), an MLA model (DeepSeek-V2) and a
+sliding-window model (Gemma-3), each against native SGLang. The platform for a CPU without
+sgl-kernel is test scaffolding
 (``kvcached.sglang.testing.cpu_platform``), discovered by SGLang as a vendor's plugin would be.
 """
 
@@ -24,18 +26,27 @@ from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
 from kvcached.sglang.testing import cpu_platform
 from kvcached.sglang.testing.serve import tiny_mla
+from kvcached.testing import tiny_kinds
 from kvcached.testing.tiny_model import build
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], Path]]:
     root = tmp_path_factory.mktemp("sglang-serve")
-    models = {"llama": build(root / "tiny"), "mla": tiny_mla(root / "tiny-mla")}
+    models = {
+        "llama": build(root / "tiny"),
+        "mla": tiny_mla(root / "tiny-mla"),
+        "swa": tiny_kinds.build(root / "tiny-gemma3", "gemma3"),
+    }
     site = cpu_platform.dist_info(str(root / "site"))
     runs = {}
     # "-p16": at --page-size 16, SGLang's paged allocator (kvcached's subclass places as SGLang
-    # does); "-mla": the tiny DeepSeek-V2, whose pool is MLATokenToKVPool (a latent per layer).
-    for variant in ("native", "legacy", "ledger", "native-p16", "ledger-p16", "native-mla", "ledger-mla"):
+    # does); "-mla": the tiny DeepSeek-V2, whose pool is MLATokenToKVPool (a latent per layer);
+    # "-swa": the tiny Gemma-3, sliding-window (32) and full layers alternating, which SGLang serves
+    # from one MHA pool, the window a mask (model_overrides/gemma2_gemma3.py: no hybrid SWA memory).
+    for variant in (
+        "native", "legacy", "ledger", "native-p16", "ledger-p16", "native-mla", "ledger-mla", "native-swa", "ledger-swa"
+    ):  # fmt: skip
         policy, _, kind = variant.partition("-")
         journal = root / f"{variant}.kvj"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_"))}
@@ -57,7 +68,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dic
                 KVCACHED_MIN_RESERVED_PAGES="0",
                 KVCACHED_MAX_RESERVED_PAGES="0",
             )
-        model = models["mla" if kind == "mla" else "llama"]
+        model = models[kind if kind in models else "llama"]
         page_size = "16" if kind == "p16" else "1"
         done = subprocess.run(
             [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model), "--page-size", page_size],
@@ -114,6 +125,18 @@ def test_an_mla_model_serves_on_kvcached_pages_as_native_sglang_does(served) -> 
     pool = contents.header.pools[0]
     assert pool.block_bytes == 576 * 2 and pool.num_blocks == 161  # a slot: one bf16 latent of 576
     assert ledger.jobs_built >= 4 and ledger.unmaps > 0
+
+
+def test_a_sliding_window_model_serves_on_kvcached_pages_as_native_sglang_does(served) -> None:
+    native, _ = served["native-swa"]
+    lines, journal = served["ledger-swa"]
+    assert lines == native and native[3]["host"] > 0, "A came back from the host tier"
+    assert len({tuple(x["output"]) for x in native}) >= 3, "a model that answers every prompt alike hides a wrong page"
+    contents = read_journal(journal)
+    ledger = Ledger(contents.header)
+    for ev in contents.events:
+        ledger.apply(ev)
+    assert ledger.violations == [] and ledger.jobs_built >= 4 and ledger.unmaps > 0
 
 
 def test_the_ledger_journal_replays_clean_and_names_sglang(served) -> None:
