@@ -9,8 +9,9 @@
 #      on vLLM's real Scheduler and OffloadingConnector; then vLLM 0.33.0's own tests of its block
 #      pool, KV cache managers, prefix caching, scheduler and connector, alone and under kvcached
 #      (scripts/vllm-conformance.sh fetches them from vLLM's source distribution on the index);
-#   4. .venv-sglang (SGLang 0.5.23): kvcached's pages under SGLang's real KV pool, token allocator,
-#      HiCache host pool and HiCacheController, copies deferred by a stand-in (tests/sglang_engine);
+#   4. .venv-sglang (SGLang 0.5.23): kvcached's pages under SGLang's real KV pools (MHA, MLA), token and
+#      paged allocators, HiCache host pool and HiCacheController, copies deferred by a stand-in, and
+#      SGLang's offline engine served end to end (tests/sglang_engine);
 #   5. .venv-cpu (vLLM's CPU build 0.32.0): the plugin's startup checks and KV layouts, the same
 #      scenarios on 0.32.0, and `vllm serve` end to end (native vs kvcached, both policies), and
 #      beside an SGLang server (from .venv-sglang) on one memory budget.
