@@ -426,3 +426,18 @@ def test_fresh_pages_nobody_takes_stay_within_the_pages() -> None:
             assert len(t.fresh) <= 2 * len(t.releasable) + 64, t.index
     taken = lg.take_fresh_releasable()
     assert len(taken) == len(set(taken)) and set(taken) <= lg.tables.releasable
+
+
+def test_settled_says_whether_a_boundary_would_move_anything() -> None:
+    """An engine whose loop steps while idle (SGLang's) skips boundaries only while settled."""
+    lg = ledger("ledger", PageMapped(0), BlockAlloc(0, (0,)))
+    assert lg.settled  # a block in use: a boundary ends nothing
+    lg.apply(JobBuilt(1, STORE, 0, ((0,),), 1))
+    assert not lg.settled  # an outstanding job: I4 counts boundaries
+    lg.apply(BuildBoundary(0))
+    lg.apply(JobReported(1, 1))
+    assert lg.settled
+    lg.apply(BlockFree(0, (0,)))
+    assert not lg.settled  # the page's grace ends at the next boundary
+    lg.apply(BuildBoundary(1))
+    assert lg.settled and lg.is_releasable(0)

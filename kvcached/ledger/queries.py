@@ -53,6 +53,14 @@ class LedgerQueries:
         return self.tables.build
 
     @property
+    def settled(self) -> bool:
+        """Whether a build boundary would move nothing: no outstanding job, no page in its grace
+        or held by a window, no deadline running (I4: a finished request's jobs, pages over the
+        limit). An engine whose loop steps while idle (SGLang's) records no boundary then."""
+        t = self.tables
+        return not (t.jobs or t.grace or t.holds or t.finish_due or t.over_limit_since is not None)
+
+    @property
     def limit(self) -> int | None:
         return self.tables.limit
 

@@ -24,7 +24,8 @@ outstanding, its pages stay mapped under the freed slots, and the poll ends its 
 copy is done rather than never (I4). A scheduler step
 (``Scheduler.get_next_batch_to_run``, which starts by draining HiCache's acks) is a build
 boundary: a page emptied by a free waits for the next one, for the forward pass of the step
-that freed it; under overlap scheduling one boundary more (``hold_frees``).
+that freed it; under overlap scheduling one boundary more (``hold_frees``). A step after which
+nothing happened records no boundary (an idle engine's loop keeps stepping).
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ class Bridge:
         # kvctl asked for from the live socket's thread.
         self.on_step: Callable[[], None] | None = None
         self._holds: list[tuple[int, int]] = []  # (step, the request holding its frees' pages)
+        # SGLang's event loop steps continuously, idle or not (about 25 steps a second on this
+        # CPU). A step after which nothing was recorded, while the ledger is settled (no job,
+        # grace, hold or deadline a boundary would move), would add a boundary that ends
+        # nothing, so it is not recorded: an idle engine journals nothing, and the flight
+        # recorder's window is not filled with idle steps. ``_quiet_at``: the ledger's event
+        # count after the last boundary.
+        self._quiet_at = -1
         # Inside ``get_next_batch_to_run`` (admission, chunking, decode growth: where SGLang
         # counts and then allocates): counts lease the shared budget's room until the step ends.
         self.scheduling = False
@@ -84,10 +92,13 @@ class Bridge:
 
     def step(self) -> None:
         """A scheduler step begins: the previous one's forward pass is done."""
-        self.recorder.emit(BuildBoundary(self.build, self.recorder.stamp()))
-        self.build += 1
-        while self._holds and self._holds[0][0] <= self.build - 2:
-            self.recorder.emit(RequestFinished(self._holds.pop(0)[1]))  # that forward is done
+        ledger = self.recorder.ledger
+        if ledger.index != self._quiet_at or self._holds or not ledger.settled:
+            self.recorder.emit(BuildBoundary(self.build, self.recorder.stamp()))
+            self.build += 1
+            while self._holds and self._holds[0][0] <= self.build - 2:
+                self.recorder.emit(RequestFinished(self._holds.pop(0)[1]))  # that forward is done
+            self._quiet_at = ledger.index
         if self.on_step is not None:
             self.on_step()
         self.poll()

@@ -144,3 +144,25 @@ def test_a_freed_page_outlives_the_forward_that_may_read_it(make, overlap):
     stack.step()
     assert stack.mapped_pages == 1
     assert _invariants(stack) == set()
+
+
+def test_an_idle_engine_records_no_boundary(make):
+    """SGLang's loop steps while idle; once the ledger is settled a step records nothing (the
+    planted no-poll bug above shows boundaries go on while a copy is outstanding, for I4)."""
+    stack = make(Policy.LEDGER)
+    ledger = stack.engine.ledger
+    stack.step()
+    slots = stack.allocator.alloc(64)
+    assert slots is not None
+    stack.step()
+    stack.allocator.free(slots)
+    stack.step()  # the free's grace ends here; the page goes
+    stack.step()  # the boundary after the unmap, the last event
+    assert stack.mapped_pages == 1 and ledger.settled
+    builds, index = ledger.builds, ledger.index
+    for _ in range(50):
+        stack.step()
+    assert (ledger.builds, ledger.index) == (builds, index), "idle steps recorded boundaries"
+    assert stack.allocator.alloc(1) is not None
+    stack.step()
+    assert ledger.builds == builds + 1, "a step after an allocation records its boundary"
