@@ -31,22 +31,22 @@ from sglang.srt.utils import get_num_new_pages
 from .engine import SglangEngine, engine_of
 
 
-def _not_ours(kvcache: Any) -> str:
-    # A SystemExit: raised in SGLang's scheduler process, whose loader logs an exception's traceback.
-    return (
-        f"kvcached under SGLang: the allocator's pool, {type(kvcache).__name__}, is not one kvcached puts on pages "
-        "(hybrid models' pools are not supported yet); disable kvcached (ENABLE_KVCACHED=0) for this model"
-    )
+def _engine_over(kvcache: Any) -> SglangEngine:
+    engine = engine_of(kvcache)
+    if engine is None:
+        # A SystemExit: raised in SGLang's scheduler process, whose loader logs an exception's traceback.
+        raise SystemExit(
+            f"kvcached under SGLang: the allocator's pool, {type(kvcache).__name__}, is not one kvcached puts on "
+            "pages (hybrid models' pools are not supported yet); disable kvcached (ENABLE_KVCACHED=0) for this model"
+        )
+    return engine
 
 
 class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # SGLang is untyped here
     """``TokenToKVPoolAllocator`` over a kvcached pool: slots are the engine's blocks."""
 
     def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
-        engine = engine_of(kvcache)
-        if engine is None:
-            raise SystemExit(_not_ours(kvcache))
-        self._engine: SglangEngine = engine
+        self._engine: SglangEngine = _engine_over(kvcache)
         super().__init__(size, dtype, device, kvcache, need_sort)
 
     def clear(self) -> None:
@@ -54,38 +54,15 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
         self.free_group = None
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
-        if engine is None:  # SGLang's __init__ calls clear() before anything is allocated
-            return
-        manager = engine.manager
-        held = [b for b in engine.sglang_blocks() if manager.holds(b)]
-        engine.bridge.cache_reset()
-        if held:
-            manager.free(held)
-        manager.drain_releasable()
+        if engine is not None:  # None: SGLang's __init__ calls clear() before anything is allocated
+            engine.reset()
 
     def available_size(self) -> int:
-        engine = self._engine
-        n = engine.manager.available_size()
-        if not engine.bridge.scheduling:
-            # Counted outside a step (SGLang's idle checks and stats, every loop turn): no
-            # allocation follows, so the room the count leased goes back at once. Held until the
-            # next step, an idle engine would keep the whole budget's room from the others.
-            engine.manager.drain_releasable()
-        return n
+        return self._engine.available_blocks()
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        engine = self._engine
-        manager = engine.manager
-        try:
-            if need_size > manager.available_size():
-                return None
-            return torch.tensor(manager.alloc(need_size), dtype=torch.int64, device=self.device)
-        finally:
-            # Counting leased the shared budget's room (``PageAllocator.lease_short``). Within a
-            # step, the step's other counts (the batch's admission) still stand on it, and the
-            # step's end gives back what no alloc mapped; outside one, it goes back now.
-            if not engine.bridge.scheduling:
-                manager.drain_releasable()
+        blocks = self._engine.alloc_blocks(need_size)
+        return None if blocks is None else torch.tensor(blocks, dtype=torch.int64, device=self.device)
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
@@ -105,44 +82,26 @@ class KvcachedPagedAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     def __init__(
         self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
     ) -> None:
-        engine = engine_of(kvcache)
-        if engine is None:
-            raise SystemExit(_not_ours(kvcache))
-        self._engine: SglangEngine = engine
+        self._engine: SglangEngine = _engine_over(kvcache)
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
     def clear(self) -> None:
         super().clear()
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)  # kvcached hands pages out
         engine: SglangEngine | None = getattr(self, "_engine", None)
-        if engine is None:  # SGLang's __init__ calls clear() before anything is allocated
-            return
-        manager = engine.manager
-        held = [b for b in engine.sglang_blocks() if manager.holds(b)]
-        engine.bridge.cache_reset()
-        if held:
-            manager.free(held)
-        manager.drain_releasable()
+        if engine is not None:  # None: SGLang's __init__ calls clear() before anything is allocated
+            engine.reset()
 
     def available_size(self) -> int:
-        engine = self._engine
-        n = int(engine.manager.available_size() * self.page_size)
-        if not engine.bridge.scheduling:  # as KvcachedTokenAllocator.available_size
-            engine.manager.drain_releasable()
-        return n
+        return int(self._engine.available_blocks() * self.page_size)
 
     def _pages(self, n: int) -> bool:
         """Put ``n`` pages kvcached allocates into ``free_pages`` for SGLang's placement code."""
-        engine = self._engine
-        manager = engine.manager
-        try:
-            if n > manager.available_size():
-                return False
-            self.free_pages = torch.tensor(manager.alloc(n) if n else [], dtype=torch.int64, device=self.device)
-            return True
-        finally:
-            if not engine.bridge.scheduling:  # as KvcachedTokenAllocator.alloc
-                manager.drain_releasable()
+        pages = self._engine.alloc_blocks(n)
+        if pages is None:
+            return False
+        self.free_pages = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        return True
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         if not self._pages(need_size // self.page_size):

@@ -214,6 +214,40 @@ class SglangEngine:
         """The blocks SGLang's allocators hand out: its pages 1 to size // page_size."""
         return range(1, self.pool.size // self.page_size + 1)
 
+    def reset(self) -> None:
+        """``flush_cache``'s ``clear``: every block SGLang handed out is freed through the ledger,
+        after the cache reset that orphans the copies in flight (``Bridge.cache_reset``)."""
+        manager = self.manager
+        held = [b for b in self.sglang_blocks() if manager.holds(b)]
+        self.bridge.cache_reset()
+        if held:
+            manager.free(held)
+        manager.drain_releasable()
+
+    def available_blocks(self) -> int:
+        """The allocators' ``available_size``, in blocks."""
+        n = self.manager.available_size()
+        if not self.bridge.scheduling:
+            # Counted outside a step (SGLang's idle checks and stats, every loop turn): no
+            # allocation follows, so the room the count leased goes back at once. Held until the
+            # next step, an idle engine would keep the whole budget's room from the others.
+            self.manager.drain_releasable()
+        return n
+
+    def alloc_blocks(self, n: int) -> list[int] | None:
+        """``n`` blocks for the allocators, or None (SGLang's answer when the pool is short)."""
+        manager = self.manager
+        try:
+            if n > manager.available_size():
+                return None
+            return manager.alloc(n)
+        finally:
+            # Counting leased the shared budget's room (``PageAllocator.lease_short``). Within a
+            # step, the step's other counts (the batch's admission) still stand on it, and the
+            # step's end gives back what no alloc mapped; outside one, it goes back now.
+            if not self.bridge.scheduling:
+                manager.drain_releasable()
+
     def free_slots(self) -> int:
         """Slots not allocated, whatever the limit or the budget lets be mapped: what SGLang's
         accounting of its pool counts as free."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.ledger.journal import read_journal
+from kvcached.ledger.journal import JournalContents, read_journal
 from kvcached.ledger.ledger import Ledger
 from kvcached.sglang.testing import cpu_platform
 from kvcached.sglang.testing.serve import tiny_mla
@@ -98,54 +98,52 @@ def test_kvcached_serves_what_native_serves(served, policy) -> None:
     assert lines == native
 
 
-def test_the_paged_allocator_serves_what_native_sglang_serves(served) -> None:
-    native, _ = served["native-p16"]
-    lines, journal = served["ledger-p16"]
-    assert lines == native and native[3]["host"] > 0, "A came back from the host tier"
+def _replayed(journal: Path) -> tuple[JournalContents, Ledger]:
     contents = read_journal(journal)
     ledger = Ledger(contents.header)
-    for ev in contents.events:
-        ledger.apply(ev)
+    ledger.apply_all(contents.events)
+    return contents, ledger
+
+
+def _served_as_native(served, kind: str) -> tuple[JournalContents, Ledger]:
+    """The ledger-policy run of ``kind`` gave native SGLang's lines (A back from the host tier)
+    and its journal replays clean, with pinned copies and pages that went back."""
+    native, _ = served[f"native-{kind}"]
+    lines, journal = served[f"ledger-{kind}"]
+    assert lines == native and native[3]["host"] > 0, "A came back from the host tier"
+    contents, ledger = _replayed(journal)
     assert ledger.violations == []
+    assert ledger.jobs_built >= 4 and ledger.unmaps > 0
+    return contents, ledger
+
+
+def _distinct(served, kind: str) -> None:
+    native, _ = served[f"native-{kind}"]
+    assert len({tuple(x["output"]) for x in native}) >= 3, "a model that answers every prompt alike hides a wrong page"
+
+
+def test_the_paged_allocator_serves_what_native_sglang_serves(served) -> None:
+    contents, _ = _served_as_native(served, "p16")
     # A block is an SGLang page of 16 slots, a kvcached page of 16 KiB holds one: 10 and padding.
     assert contents.header.pools[0].num_blocks == 11
-    assert ledger.jobs_built >= 4 and ledger.unmaps > 0
 
 
 def test_an_mla_model_serves_on_kvcached_pages_as_native_sglang_does(served) -> None:
-    native, _ = served["native-mla"]
-    lines, journal = served["ledger-mla"]
-    assert lines == native and native[3]["host"] > 0, "A came back from the host tier"
-    assert len({tuple(x["output"]) for x in native}) >= 3, "a model that answers every prompt alike hides a wrong page"
-    contents = read_journal(journal)
-    ledger = Ledger(contents.header)
-    for ev in contents.events:
-        ledger.apply(ev)
-    assert ledger.violations == []
+    _distinct(served, "mla")
+    contents, _ = _served_as_native(served, "mla")
     pool = contents.header.pools[0]
     assert pool.block_bytes == 576 * 2 and pool.num_blocks == 161  # a slot: one bf16 latent of 576
-    assert ledger.jobs_built >= 4 and ledger.unmaps > 0
 
 
 def test_a_sliding_window_model_serves_on_kvcached_pages_as_native_sglang_does(served) -> None:
-    native, _ = served["native-swa"]
-    lines, journal = served["ledger-swa"]
-    assert lines == native and native[3]["host"] > 0, "A came back from the host tier"
-    assert len({tuple(x["output"]) for x in native}) >= 3, "a model that answers every prompt alike hides a wrong page"
-    contents = read_journal(journal)
-    ledger = Ledger(contents.header)
-    for ev in contents.events:
-        ledger.apply(ev)
-    assert ledger.violations == [] and ledger.jobs_built >= 4 and ledger.unmaps > 0
+    _distinct(served, "swa")
+    _served_as_native(served, "swa")
 
 
 def test_the_ledger_journal_replays_clean_and_names_sglang(served) -> None:
     _, journal = served["ledger"]
-    contents = read_journal(journal)
+    contents, ledger = _replayed(journal)
     assert "sglang" in contents.header.producer
-    ledger = Ledger(contents.header)
-    for ev in contents.events:
-        ledger.apply(ev)
     assert ledger.violations == []
     assert ledger.jobs_built >= 4, "the backups and the load-backs were pinned"
     assert ledger.builds > 10
