@@ -398,6 +398,10 @@ class Budget:
         self._change(lambda s: self._with_bytes(s, -nbytes))
         self.held -= nbytes
 
+    def release_unmapped(self, nbytes: int) -> None:
+        """Give back the bytes of pages this process has unmapped: its own memory, gone already."""
+        self.release(nbytes)
+
     def set_size(self, nbytes: int | None) -> None:
         """Bound the budget at ``nbytes`` (None: unbounded); what is in use stays mapped."""
         self._change(lambda s: msgspec.structs.replace(s, size=nbytes), reclaim=True)
@@ -426,6 +430,10 @@ def _usage(name: str, files: _Files) -> BudgetUsage:
     the next change drops its share)."""
     with files.locked(reclaim=False) as state:
         pass
+    return _usage_of(name, state)
+
+
+def _usage_of(name: str, state: BudgetFile) -> BudgetUsage:
     engines: dict[tuple[int, bool], int] = {}
     for s in state.shares:  # one line per process, however many engines it runs
         key = (s.pid, _alive(s))
@@ -451,6 +459,21 @@ def budget_usage(name: str, *, directory: str | None = None) -> BudgetUsage:
     files = _Files(name, directory)
     try:
         return _usage(name, files)
+    finally:
+        files.close()
+
+
+@contextlib.contextmanager
+def held_still(name: str, *, directory: str | None = None) -> Iterator[BudgetUsage]:
+    """What a budget holds, with its lock kept until the block ends: no engine is granted or
+    gives back bytes meanwhile, so memory measured inside the block (each engine maps only bytes
+    granted, and gives bytes back only once unmapped) cannot exceed the shares read at its start,
+    however long the measuring takes. For a consistent sample of several processes' memory;
+    engines wait for the lock, so keep the block short (``LOCK_WAIT``)."""
+    files = _Files(name, directory)
+    try:
+        with files.locked(reclaim=False) as state:
+            yield _usage_of(name, state)
     finally:
         files.close()
 

@@ -24,7 +24,9 @@ pages that pins keep mapped stay in service meanwhile (refusing them can deadloc
 (``page_cost``: what one logical page costs in every layer, region and replica).
 
 A shared budget (``kvcached.budget``), when given, bounds mapping as the limit does, strictly: a
-page is mapped only with bytes the budget granted, which go back on unmap. The count and the map
+page is mapped only with bytes the budget granted, which go back once the page's memory is gone
+(``release_unmapped``: at once where the backend holds the memory; where the unmap is a decision
+that workers carry out, when they have). The count and the map
 are two moments (vLLM's ``KVCacheManager.allocate_slots`` compares its blocks with
 ``get_num_free_blocks`` and then allocates), and another engine may take the budget's bytes
 between them; so the pages a count promises beyond those mapped are *leased*: their bytes are
@@ -110,6 +112,10 @@ class PageBudget(Protocol):
 
     def acquire_up_to(self, nbytes: int, unit: int) -> int: ...
     def release(self, nbytes: int) -> None: ...
+    # The bytes of pages this allocator just unmapped: given back once that memory is gone, which
+    # is now where the backend holds it and later where the unmap is only a decision that other
+    # processes carry out (the engine core's: ``step_channel.DeferredRelease``).
+    def release_unmapped(self, nbytes: int) -> None: ...
     def headroom(self) -> int | None: ...
 
 
@@ -420,7 +426,7 @@ class PageAllocator:
             if gone and self.budget is not None:
                 # One budget change for the pass (each is a locked rewrite of the budget's file),
                 # made even if an unmap raised: the pages before it are unmapped.
-                self.budget.release(gone * self.page_cost)
+                self.budget.release_unmapped(gone * self.page_cost)
         self._goable.update(kept)
         self._unmap_retry = bool(kept)
 

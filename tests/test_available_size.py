@@ -149,6 +149,8 @@ class _Pot:
         assert 0 < nbytes <= self.mine
         self.mine -= nbytes
 
+    release_unmapped = release  # its pages' memory is its own: gone when unmapped
+
     def headroom(self) -> int | None:
         return max(0, self.size - self.mine - self.other)
 

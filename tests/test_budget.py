@@ -306,6 +306,8 @@ class CountingBudget:
         self.releases.append(nbytes)
         self.budget.release(nbytes)
 
+    release_unmapped = release
+
     def headroom(self) -> int | None:
         return self.budget.headroom()
 

@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvcached.budget import Budget, budget_usage  # noqa: E402
 from kvcached.errors import BackendError, ConfigError  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvcached.vllm import kv_layout, step_channel  # noqa: E402
@@ -39,14 +40,24 @@ def ranks() -> list[step_receiver.WorkerPages]:
         kv_memory.release(key)
 
 
-def _engine(policy: str = "legacy") -> tuple[KVCacheManager, step_channel.PageLog]:
+def _engine(
+    policy: str = "legacy", budget: Budget | None = None
+) -> tuple[KVCacheManager, step_channel.PageLog, step_channel.DeferredRelease | None]:
     g = PLAN.geometry
     log = step_channel.PageLog(g.blocks_per_page)
     backends = [step_sender.DecisionBackend(PAGE, "host", g.num_pages, log if r == 0 else None) for r in range(2)]
     for b in backends:
         b.reserve(g.backend_pages)
-    manager = KVCacheManager.standalone(g, backends[0], replicas=backends[1:], workers=2, policy=policy)
-    return manager, log
+    deferred = None if budget is None else step_channel.DeferredRelease(budget, log)
+    manager = KVCacheManager.standalone(
+        g,
+        backends[0],
+        replicas=backends[1:],
+        workers=2,
+        policy=policy,
+        budget=deferred,  # type: ignore[arg-type]
+    )
+    return manager, log, deferred
 
 
 def _send(log: step_channel.PageLog, ranks: list[step_receiver.WorkerPages]) -> tuple[int, ...]:
@@ -57,7 +68,7 @@ def _send(log: step_channel.PageLog, ranks: list[step_receiver.WorkerPages]) -> 
 
 
 def test_decisions_reach_every_rank_in_every_region(ranks: list[step_receiver.WorkerPages]) -> None:
-    manager, log = _engine()
+    manager, log, _ = _engine()
     g = PLAN.geometry
     assert manager.page_cost == PAGE * g.regions * 2  # a page costs its bytes on both ranks
     warm = ranks[0].backend.resident_bytes()
@@ -78,8 +89,47 @@ def test_decisions_reach_every_rank_in_every_region(ranks: list[step_receiver.Wo
     assert _send(log, ranks) == (3, g.blocks_per_page)  # a step with no decisions still counts
 
 
+def test_an_unmaps_budget_bytes_go_back_once_every_rank_applied_it(
+    ranks: list[step_receiver.WorkerPages], tmp_path
+) -> None:
+    """The scheduler decides an unmap; the workers' memory goes when their batch is applied. A
+    budget given the bytes back at the decision let a neighbour map them while both ranks still
+    held the page: the sum of the workers' memory over the budget (and on a GPU, a neighbour's
+    ``cuMemCreate`` failing)."""
+    g = PLAN.geometry
+    cost = PAGE * g.regions * 2
+    mine = Budget.open("steps", 3 * cost, directory=str(tmp_path))
+    neighbour = Budget.open("steps", directory=str(tmp_path))
+    manager, log, deferred = _engine(budget=mine)
+    assert deferred is not None
+    try:
+        blocks = manager.alloc(17)  # pages 0, 1, 2: the whole budget
+        manager.drain_releasable()  # the end of the scheduler call: an unspent lease goes back
+        _send(log, ranks)
+        assert budget_usage("steps", directory=str(tmp_path)).used == 3 * cost
+
+        def resident() -> int:
+            return sum(r.backend.resident_bytes() for r in ranks)
+
+        for r in ranks:  # the step writes its KV: the pages' memory is resident
+            for slot in r.backend.mapped_pages():
+                r.backend.tensor(torch.uint8)[slot * PAGE : (slot + 1) * PAGE].fill_(1)
+        assert resident() == 3 * cost
+        manager.free(blocks)  # legacy: the three pages are unmapped, as decisions
+        assert neighbour.acquire_up_to(cost, cost) == 0, "the budget gave back memory both ranks still hold"
+        message = _send(log, ranks)  # the step carries the batch; the workers unmap before their forward
+        assert message[2:] == (~0, ~1, ~2) and resident() == 0
+        assert log.held_bytes == 3 * cost and neighbour.acquire_up_to(cost, cost) == 0
+        assert deferred.release_applied(message[0] - 1) == 0  # an earlier batch's output: not these pages
+        assert deferred.release_applied(message[0]) == 3 * cost  # this step's output: they are gone
+        assert neighbour.acquire_up_to(3 * cost, cost) == 3 * cost and log.held_bytes == 0
+    finally:
+        neighbour.close()
+        mine.close()
+
+
 def test_a_lost_batch_or_another_layout_is_refused(ranks: list[step_receiver.WorkerPages]) -> None:
-    _manager, log = _engine()
+    _manager, log, _ = _engine()
     _send(log, ranks)
     log.take()  # an executor that dropped this one
     with pytest.raises(step_channel.ChannelError, match="batch 3 reached this worker after batch 1"):
@@ -92,7 +142,7 @@ def test_the_unmap_waits_for_every_rank_under_ledger(ranks: list[step_receiver.W
     """Under ``ledger`` a freed page waits for its grace build; the decision, and only it, rides."""
     from kvcached.ledger.events import BuildBoundary
 
-    manager, log = _engine("ledger")
+    manager, log, _ = _engine("ledger")
     blocks = manager.alloc(8)
     _send(log, ranks)
     manager.free(blocks)

@@ -22,15 +22,27 @@ unmaps page ``~op``. ``seq`` counts batches from 1; a worker refuses a gap (a ba
 lost would leave its memory out of step with the ledger), and batch 1 first drops whatever
 vLLM's warm-up wrote. ``blocks_per_page`` lets each worker check that its own plan puts blocks
 on the same pages as the scheduler's.
+
+An unmap decided here frees nothing yet: the workers still hold the page until they apply the
+batch. So under a shared budget the page's bytes are not given back when the allocator decides
+(``DeferredRelease`` holds them in the log) but when the batch is known applied: the model
+output of the step that carried it has reached ``Scheduler.update_from_output`` (every rank
+applies its batch before its forward pass, and the output rank's forward waits for every rank's
+collectives), or an idle engine's ``collective_rpc`` flush has returned. Otherwise a neighbour's
+worker could map those bytes while this engine's still held them, and on a GPU its
+``cuMemCreate`` would fail.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ..errors import ConsistencyError
 from .patches import by_name
+
+if TYPE_CHECKING:
+    from ..budget import Budget
 
 # The attribute of vLLM's ``SchedulerOutput`` that carries a batch, as the patch table adds it.
 ATTR: Final = by_name("page decisions ride the step").attrs[0]
@@ -50,10 +62,33 @@ class PageLog:
         self._ops: list[int] = []
         self._lock = threading.Lock()
         self.batches = 0  # batches sent with at least one op (for the tests and the log)
+        # Budget bytes of the unmaps recorded since the last batch, then per batch sent and not
+        # yet known applied: (seq, bytes), oldest first (module docstring).
+        self._held = 0
+        self._unapplied: list[tuple[int, int]] = []
 
     def record(self, op: int) -> None:
         with self._lock:
             self._ops.append(op)
+
+    def hold(self, nbytes: int) -> None:
+        """Keep ``nbytes`` of budget for the unmaps recorded so far, until their batch is applied."""
+        with self._lock:
+            self._held += nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Budget bytes kept for unmaps the workers may not have applied yet."""
+        with self._lock:
+            return self._held + sum(n for _, n in self._unapplied)
+
+    def applied(self, seq: int) -> int:
+        """Every batch up to ``seq`` reached every worker (batches apply in order): the budget
+        bytes their unmaps kept, now free to give back."""
+        with self._lock:
+            done = [n for s, n in self._unapplied if s <= seq]
+            self._unapplied = [(s, n) for s, n in self._unapplied if s > seq]
+        return sum(done)
 
     @property
     def pending(self) -> bool:
@@ -63,6 +98,40 @@ class PageLog:
         with self._lock:
             self.seq += 1
             ops, self._ops = self._ops, []
+            if self._held:
+                self._unapplied.append((self.seq, self._held))
+                self._held = 0
         if ops:
             self.batches += 1
         return (self.seq, self.blocks_per_page, *ops)
+
+
+class DeferredRelease:
+    """The engine core's hand on a shared budget (``kvcached.page_allocator.PageBudget``): grants
+    and the return of unspent leases go straight to the budget; the bytes of an unmap wait in the
+    page log until its batch is applied (``release_applied``)."""
+
+    def __init__(self, budget: Budget, page_log: PageLog) -> None:
+        self.budget = budget
+        self.name = budget.name
+        self._log = page_log
+
+    def acquire_up_to(self, nbytes: int, unit: int) -> int:
+        return self.budget.acquire_up_to(nbytes, unit)
+
+    def release(self, nbytes: int) -> None:
+        self.budget.release(nbytes)
+
+    def release_unmapped(self, nbytes: int) -> None:
+        self._log.hold(nbytes)
+
+    def headroom(self) -> int | None:
+        return self.budget.headroom()
+
+    def release_applied(self, seq: int) -> int:
+        """Batch ``seq`` and those before it were applied by every worker: give back what their
+        unmaps kept; returns the bytes."""
+        n = self._log.applied(seq)
+        if n:
+            self.budget.release(n)
+        return n

@@ -57,7 +57,13 @@ def test_the_budget_is_never_exceeded(served: dict[str, Any]) -> None:
     assert len(run.samples) > 50, "the sampler hardly ran"
     over = [(s.t, s.phase, s.used, s.size) for s in run.samples if s.size is None or s.used > s.size]
     assert not over, over[:5]
-    # The workers' own memory too, not only the engines' account of it (a page is 2 MiB in all).
+    # The workers' own memory too, not only the engines' account of it (a page is 2 MiB in all),
+    # read under the budget's lock (Sampler.sample): each worker within its engine's share, so
+    # that no bytes went back to the budget before the worker had unmapped them, and the sum
+    # within the budget.
+    ahead = [(s.t, s.phase, n, r, s.share.get(n, 0)) for s in run.samples for n, r in s.resident.items()
+             if n not in s.dead and r > s.share.get(n, 0)]
+    assert not ahead, f"a worker held more than its engine's share (t, phase, engine, resident, share): {ahead[:5]}"
     worst = max(sum(s.resident.values()) for s in run.samples)
     assert worst <= elastic.BUDGET_BYTES, f"{worst // MiB} MiB resident in the two workers"
 

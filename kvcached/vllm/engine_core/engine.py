@@ -46,6 +46,7 @@ from ...service.messages import EngineControl
 from ...settings import format_size
 from ...version import KVCACHED_VERSION
 from .. import patches
+from ..step_channel import DeferredRelease
 from . import scheduler_calls
 from .block_pool import PageAwarePool, install_page_aware_pool
 from .bridge import Bridge, install_bridge
@@ -141,6 +142,8 @@ class Engine:
         self.page_log: PageLog | None = None
         self.control: EngineControl | None = None
         self.wake: Callable[[], None] | None = None  # steps an idle engine core (set at busy-loop start)
+        # The manager's hand on the budget where its unmaps are decisions for the workers.
+        self.deferred: DeferredRelease | None = None
         self._closed = False
         self._failed = False
 
@@ -148,6 +151,12 @@ class Engine:
         """Let the allocator unmap what the ledger released (after a scheduler call's events)."""
         if self.manager is not None:
             self.manager.drain_releasable()
+
+    def batch_applied(self, message: tuple[int, ...] | None) -> None:
+        """Every worker applied the step channel's batch ``message`` (and those before it): the
+        budget bytes of the pages it unmapped go back now (``step_channel.DeferredRelease``)."""
+        if message is not None and self.deferred is not None:
+            self.deferred.release_applied(message[0])
 
     def failed(self, where: str, exc: BaseException) -> None:
         """A scheduler call raised: save the flight recorder once (the engine core stops next)."""
@@ -294,6 +303,9 @@ def assemble(
     budget = None
     if config.budget is not None:
         budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
+    # NOTE: with a page log the backends only decide; the workers unmap when the batch reaches
+    # them, so the budget gets an unmap's bytes back then (step_channel's module docstring).
+    deferred = DeferredRelease(budget, page_log) if budget is not None and page_log is not None else None
     service = None
     try:
         if config.journal_service is not None:
@@ -319,7 +331,7 @@ def assemble(
                     replicas=backends[1:],
                     min_reserved=lo,
                     max_reserved=hi,
-                    budget=budget,
+                    budget=deferred or budget,
                     placement=config.placement,
                 )
             bridge = install_bridge(scheduler, recorder, offloading=getattr(scheduler, "connector", None) is not None)
@@ -343,6 +355,7 @@ def assemble(
         raise
     engine = Engine(recorder, manager=manager, pool=pool, bridge=bridge, service=service, budget=budget)
     engine.page_log = page_log
+    engine.deferred = deferred
     scheduler_calls.install(scheduler, engine)
     setattr(scheduler, ENGINE_ATTR, engine)
     patches.mark(scheduler, patches.by_name("the engine, found by kvcached"))

@@ -20,6 +20,9 @@ Before the lock is let go the wrapper finishes the call's kvcached side, in one 
   (which end at the next build) would keep every freed page mapped for good; with no connector
   there is no copy a build could have captured a freed block for, so the bridge closes the open
   build at the end of each call that frees blocks (``Bridge.close_build``);
+* ``update_from_output`` gets the model output of a step whose batch every worker applied
+  before its forward pass: the budget bytes of that batch's unmaps go back first
+  (``Engine.batch_applied``);
 * the allocator drains the pages the call's events released, once, as vLLM's own
   ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a step;
 * ``shutdown`` closes the engine (journal, ledger service, budget) after vLLM's (``close_logged``).
@@ -58,6 +61,8 @@ class Engine(Protocol):
 
     def drain(self) -> None: ...
 
+    def batch_applied(self, message: tuple[int, ...] | None) -> None: ...
+
     def failed(self, where: str, exc: BaseException) -> None: ...
 
     def close_logged(self) -> None: ...
@@ -83,11 +88,15 @@ def _wrap(engine: Engine, name: str, fn: Callable[..., Any]) -> Callable[..., An
     bridge = engine.bridge
     closes = name in _FREEING and not engine.offloading and engine.manager is not None
     page_log = engine.page_log if name == "schedule" else None
+    applied = name == "update_from_output" and engine.page_log is not None
     shutdown = name == "shutdown"
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with lock:
             try:
+                if applied:  # vLLM's update_from_output(scheduler_output, model_runner_output)
+                    step = args[0] if args else kwargs.get("scheduler_output")
+                    engine.batch_applied(getattr(step, ATTR, None))
                 try:
                     out = fn(*args, **kwargs)
                 finally:

@@ -115,7 +115,9 @@ def steer_engine_core(core: Any, engine: Engine, page_log: PageLog) -> None:
             # worker ran is done, and the decisions go out now instead of with the next request.
             with lock:
                 message = page_log.take()
-            core.model_executor.collective_rpc(flush_on_worker, args=(message,))
+            core.model_executor.collective_rpc(flush_on_worker, args=(message,))  # returns once all ranks did
+            with lock:
+                engine.batch_applied(message)
         return busy
 
     patches.shadow(core, patch, {"has_work": has_work_or_flush})

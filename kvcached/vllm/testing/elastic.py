@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcached.budget import budget_usage
+from kvcached.budget import held_still
 from kvcached.testing.tiny_model import corpus
 from kvcached.vllm.testing.e2e import Completion, Server, ServerConfig, kv_resident_bytes
 
@@ -52,7 +52,13 @@ CPU_TIER = 16 * MiB  # both (and native) offload to a CPU tier, the setup kvcach
 PAGE_MB = "0.25"  # a page of one block per layer (2 MiB in all 8 layers): memory moves block by block
 # Several servers starting at once on a busy 2-core machine take over the harness's 240 s.
 STARTUP_S = 600.0
-KILL_BOUND_S = 10.0  # a dead engine's share must be mapped by another within this (a liveness bound)
+# Bounds on waits for a condition, sized for a loaded 2-core machine (these tests once ran out of
+# 5, 10 and 20 s at a load of 18). Each guards a liveness that a bug makes infinite, not a speed:
+# without kvctl's wake-up an idle engine core never steps (it blocks on its input queue), and
+# without the dead share's reclaim B never maps A's. The waits return as soon as the condition holds.
+KILL_BOUND_S = 60.0  # a dead engine's share must be mapped by another within this
+IDLE_LIMIT_S = 60.0  # an idle engine limited by kvctl reaches the limit within this, with no call
+POKED_LIMIT_S = 120.0  # ... or, where it did not, after a utility call stepped its engine core
 
 
 def server_config(
@@ -117,6 +123,9 @@ class Sample:
     size: int | None
     share: dict[str, int]  # engine -> bytes it holds in the budget
     resident: dict[str, int]  # engine -> its worker's resident KV bytes
+    # Engines whose engine core the budget finds dead (a SIGKILL): their workers' memory goes as
+    # the kernel tears those processes down, a moment after the share is no longer counted.
+    dead: frozenset[str] = frozenset()
 
 
 class Sampler(threading.Thread):
@@ -133,18 +142,24 @@ class Sampler(threading.Thread):
         self.t0 = time.monotonic()
 
     def sample(self) -> Sample:
-        u = budget_usage(self.budget, directory=self.directory)
+        # NOTE: the workers are read one after the other, under the budget's lock: read without
+        # it, A's memory before A gave a page back and B's after B mapped it summed a page that
+        # was never mapped twice (the budget's promise holds at every instant, not across two).
+        with held_still(self.budget, directory=self.directory) as u:
+            resident = {}
+            for name, pid in self.workers.items():
+                try:
+                    resident[name] = kv_resident_bytes(pid)
+                except (FileNotFoundError, ProcessLookupError, PermissionError):
+                    resident[name] = 0  # killed: its memory went with it
         share = {name: 0 for name in self.engines.values()}
+        live = set()
         for e in u.engines:
             if e.alive and e.pid in self.engines:
                 share[self.engines[e.pid]] += e.bytes
-        resident = {}
-        for name, pid in self.workers.items():
-            try:
-                resident[name] = kv_resident_bytes(pid)
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                resident[name] = 0  # killed: its memory went with it
-        s = Sample(time.monotonic() - self.t0, self.phase, u.used, u.size, share, resident)
+                live.add(self.engines[e.pid])
+        dead = frozenset(share) - live  # shown dead, or its share already dropped
+        s = Sample(time.monotonic() - self.t0, self.phase, u.used, u.size, share, resident, dead)
         self.samples.append(s)
         return s
 
@@ -205,12 +220,14 @@ def limit_idle(runtime: Path, pid: int, server: Server, size: str, seen: dict[st
     # --force: an idle engine is drained below its floor (one request of max_model_len, 32 MiB
     # here) on purpose, to show the pages go; its limit is lifted before it serves again.
     seen[key + "_reply"] = kvctl(runtime, "limit", str(pid), size, "--force", "--json")
-    seen[key + "_idle"] = st = _wait_within_limit(runtime, pid, 5.0)
+    t0 = time.monotonic()
+    seen[key + "_idle"] = st = _wait_within_limit(runtime, pid, IDLE_LIMIT_S)
+    seen[key + "_idle_s"] = time.monotonic() - t0
     seen[key + "_poked"] = bool(st["memory"]["shrink_pending"])
     if seen[key + "_poked"]:
         with urllib.request.urlopen(server.url + "/is_sleeping", timeout=30) as r:
             r.read()
-        st = _wait_within_limit(runtime, pid, 20.0)
+        st = _wait_within_limit(runtime, pid, POKED_LIMIT_S)
     seen[key] = st
 
 
@@ -262,7 +279,8 @@ def run_elastic(
         time.sleep(0.5)
         run.seen["a_limited"] = sampler.sample()
         idle = run.seen["a_status_limited_idle"]["memory"]["mapped_bytes"] // MiB
-        say(f"A limited to {A_IDLE_LIMIT // MiB} MiB while idle: {idle} MiB mapped 5 s later with no request"
+        after = run.seen["a_status_limited_idle_s"]
+        say(f"A limited to {A_IDLE_LIMIT // MiB} MiB while idle: {idle} MiB mapped {after:.1f} s later with no request"
             + (", then a utility call woke its engine core: " if run.seen["a_status_limited_poked"] else ": ")
             + f"{run.seen['a_status_limited']['memory']['mapped_bytes'] // MiB} MiB mapped, its worker's KV "
             f"resident {run.seen['a_limited'].resident['A'] // MiB} MiB")
