@@ -104,3 +104,32 @@ def test_a_time_that_is_not_one_is_a_usage_error(tmp_path: Path, bad: str, capsy
         main(["show", trace(tmp_path), "--at", bad])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and "--at" in err
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Etc/GMT+12", "Etc/GMT-14", "Asia/Kolkata"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "0001-01-01T00:00:00Z",
+        "0001-01-01T00:00:00",
+        "9999-12-31T23:59:59.999999",
+        "9999-12-31T23:59:59+14:00",
+        "1969-12-31T23:59:59Z",
+        "2300-01-01T00:00:00",
+    ],
+)
+def test_an_iso_time_outside_what_a_journal_holds_is_a_usage_error(
+    tmp_path: Path, zone: str, bad: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The calendar's ends move out of it on the way to UTC or the local zone (year 1 at UTC-12
+    is year 0, year 9999 at UTC+14 is 10000): one line, as for a Unix time out of range."""
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["show", trace(tmp_path), "--at", bad])
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and "--at" in err and "1970 to 2242" in err, err

@@ -34,10 +34,22 @@ def when(text: str) -> float:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: give a time as 2026-12-03T14:05:00 (local), with an offset (+01:00, Z), or in Unix seconds"
             ) from None
-        return (moment if moment.tzinfo else moment.astimezone()).timestamp()
-    if not math.isfinite(unix) or not 0 <= unix < 2**33:
+        try:
+            # NOTE: a time at the calendar's ends moves out of it on the way to UTC or the local
+            # zone (year 1 at UTC-12 is year 0): datetime raises ValueError or OverflowError then,
+            # and the platform's localtime OSError.
+            unix = (moment if moment.tzinfo else moment.astimezone()).timestamp()
+        except (ValueError, OverflowError, OSError):
+            unix = math.nan
+        if not 0 <= unix < _LAST:
+            raise argparse.ArgumentTypeError(f"{text!r}: outside the times a journal can hold (1970 to 2242)") from None
+        return unix
+    if not math.isfinite(unix) or not 0 <= unix < _LAST:
         raise argparse.ArgumentTypeError(f"{text!r}: not a Unix time (seconds since 1970, before the year 2242)")
     return unix
+
+
+_LAST = 2**33  # Unix seconds: the year 2242, far beyond any journal, within every platform's calendar
 
 
 def describe_event(ev: Event, clock_base: float = 0.0) -> str:
