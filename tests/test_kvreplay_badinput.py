@@ -452,6 +452,8 @@ def _damaged(raw: bytes, **fields: object) -> bytes:
         ({"grace": {-1: 3}}, "a grace on a page outside"),  # was a wrong page, silently
         ({"holds": {16: {0: 1}}}, "a window hold on a page outside"),  # was IndexError in restore
         ({"mapped": b"\x02"}, "page tables"),
+        # was "internal error ... min() arg is an empty sequence" at the liveness check (I4)
+        ({"finished": {77: 0}, "finish_due": {0: [77], 1: [77], 2: [77]}}, "finished request 77 with no job"),
     ],
 )
 def test_a_snapshot_that_points_nowhere_is_one_line(

@@ -399,6 +399,10 @@ def snapshot_problem(snap: LedgerSnapshot) -> str | None:
     n = len(snap.violations)
     if not all(0 <= i < n for ixs in snap.job_violation.values() for i in ixs):
         return f"a job's violation index outside its {n} violations"
+    # The ledger keeps a finished request only while one of its jobs is outstanding (I4 names it).
+    orphans = set(snap.finished).difference(r.req for r in snap.jobs)
+    if orphans:
+        return f"finished request {min(orphans)} with no job (a finished request is kept only while it has one)"
     return None
 
 
