@@ -6,7 +6,8 @@
 # it lists what cannot pass, with why).
 #
 # vLLM's wheel holds no tests, so they come from vLLM's source distribution on the package index
-# (PEP 691 JSON API: the file pip would download), checked against the sha256 below, fetched once
+# pip is configured with (pip's own finder and session: its index, extra indexes, find-links,
+# certificates and proxy), checked against the sha256 below, fetched once
 # into .cache/vllm-0.33.0-tests/; only the test files listed here are extracted, and nothing of
 # vLLM is kept in this repository. The runs are offline: HF_HUB_OFFLINE=1 with a stand-in hub
 # config for facebook/opt-125m (the model vLLM's scheduler tests build their config from), and
@@ -19,7 +20,6 @@ ROOT=$PWD
 VERSION=0.33.0
 SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
 CACHE=.cache/vllm-$VERSION-tests
-INDEX=${KVCACHED_VLLM_INDEX:-https://pypi.org/simple}
 PY=$ROOT/.venv-vllm/bin/python
 
 MODE=${1:-both}
@@ -78,32 +78,44 @@ fetch() {
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$SHA256 ${SUPPORT[*]} ${TESTS[*]}" ]; then
         return 0
     fi
-    echo "--- fetching vLLM $VERSION's tests from its source distribution ($INDEX)"
+    echo "--- fetching vLLM $VERSION's tests from its source distribution (the index pip is configured with)"
     rm -rf "$CACHE.part"
     mkdir -p "$CACHE.part"
-    "$PY" - "$INDEX" "$VERSION" "$SHA256" "$CACHE.part" "${SUPPORT[@]}" "${TESTS[@]}" <<'EOF'
-import hashlib, json, sys, tarfile, tempfile, urllib.parse, urllib.request
+    "$PY" - "$VERSION" "$SHA256" "$CACHE.part" "${SUPPORT[@]}" "${TESTS[@]}" <<'EOF'
+import hashlib, logging, sys, tarfile, tempfile
 from pathlib import Path
 
-index, version, sha256, dest, *wanted = sys.argv[1:]
+logging.getLogger("pip").setLevel(logging.ERROR)  # its notes on index folders this machine lacks
+
+version, sha256, dest, *wanted = sys.argv[1:]
 name = f"vllm-{version}.tar.gz"
-page = index.rstrip("/") + "/vllm/"
-req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+# NOTE: `pip download vllm==X --no-binary :all:` finds this file but then builds its metadata,
+# which needs vLLM's whole build toolchain; pip's finder alone (what that command runs first,
+# configured as it would be) gives the link without building anything.
 try:
-    with urllib.request.urlopen(req, timeout=120) as r:
-        files = json.load(r)["files"]
-    url = next(urllib.parse.urljoin(page, f["url"]) for f in files if f["filename"] == name)
-except (OSError, ValueError, KeyError, StopIteration) as e:
-    sys.exit(f"vllm-conformance.sh: {page} does not serve {name}: {type(e).__name__}: {e}")
-digest = hashlib.sha256()
-with tempfile.TemporaryFile() as tmp:
-    try:
-        with urllib.request.urlopen(url, timeout=600) as r:
-            while chunk := r.read(1 << 20):
+    from pip._internal.commands import create_command
+
+    cmd = create_command("download")
+    options, _ = cmd.parse_args(["--no-deps", "--no-binary", ":all:", f"vllm=={version}"])
+    with cmd.main_context():
+        session = cmd.get_default_session(options)
+        finder = cmd._build_package_finder(options=options, session=session, ignore_requires_python=True)
+        links = [c.link for c in finder.find_all_candidates("vllm") if c.link.filename == name]
+        if not links:
+            sys.exit(f"vllm-conformance.sh: the index pip is configured with does not serve {name}")
+        url = links[0].url
+        digest = hashlib.sha256()
+        tmp = tempfile.TemporaryFile()
+        with session.get(url, stream=True, timeout=600) as r:
+            r.raise_for_status()
+            for chunk in r.iter_content(1 << 20):
                 digest.update(chunk)
                 tmp.write(chunk)
-    except OSError as e:
-        sys.exit(f"vllm-conformance.sh: downloading {url} failed: {e}")
+except (ImportError, AttributeError, TypeError) as e:  # pip's internals moved
+    sys.exit(f"vllm-conformance.sh: this pip's finder cannot be used ({type(e).__name__}: {e}); upgrade pip")
+except OSError as e:  # requests' errors are OSErrors
+    sys.exit(f"vllm-conformance.sh: downloading {name} failed: {e}")
+with tmp:
     if digest.hexdigest() != sha256:
         sys.exit(f"vllm-conformance.sh: {name} from {url} has sha256 {digest.hexdigest()}, expected {sha256}")
     tmp.seek(0)
