@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,11 @@ def test_version_is_the_packages(name: str) -> None:
         (["kvsim", "run", "--seeds", "-5"], "1-500"),
         (["kvsim", "run", "--seeds", "1", "--variants", "bogus"], "choose from"),
         (["kvctl", "--timeout", "nan", "status"], "above 0"),
+        # A name no check has is refused before the seed runs (for minutes) or the trace is read:
+        # the trace here does not even exist.
+        (["kvsim", "shrink", "1", "-o", "shrunk", "--check", "no-such-check"], "attended-bytes, load-bytes"),
+        (["kvreplay", "minimize", "no-such.kvj", "-o", "m.kvj", "--only", "I9"], "I1, I2, I3, I4, I5"),
+        (["kvreplay", "minimize", "no-such.kvj", "-o", "m.kvj", "--only", "unmap-under-jobs"], "unmap-under-job,"),
     ],
 )
 def test_a_usage_error_is_one_line_and_exit_2(argv: list[str], words: str) -> None:
@@ -63,6 +69,28 @@ def test_unusable_input_is_exit_1_and_a_violation_too(tmp_path: Path) -> None:
     legacy = next(p for p in sorted(GOLDEN.parent.glob("*.legacy.kvj")))
     r = tool("kvreplay", "check", "--no-progress", str(legacy))
     assert r.returncode == 1 and "violation" in r.stdout and r.stderr == "", r
+
+
+def _stated_code(text: str, about: str) -> int:
+    """The exit code a help text gives for ``about``: the last bare 0, 1 or 2 followed by a word
+    ("exit 0 clean", "1 when ...") before it."""
+    flat = " ".join(text.split())
+    codes = re.findall(r"(?<![\w.])([012]) (?=[a-z])", flat[: flat.index(about)])
+    assert codes, (about, flat)
+    return int(codes[-1])
+
+
+def test_the_help_states_the_exit_code_an_unreadable_trace_gets(tmp_path: Path) -> None:
+    """``check --help`` said 2 for a trace that cannot be read; it is a failed run, 1, as the
+    convention (and docs/kvreplay.md) says. The same for ``minimize``'s help."""
+    bad = tmp_path / "bad.kvj"
+    bad.write_bytes(b"not a journal at all")
+    for sub, argv in (("check", [str(bad)]), ("minimize", [str(bad), "-o", str(tmp_path / "m.kvj")])):
+        real = tool("kvreplay", sub, *argv)
+        assert real.returncode == 1 and len(real.stderr.splitlines()) == 1, real
+        assert _stated_code(tool("kvreplay", sub, "--help").stdout, "cannot be read") == real.returncode, sub
+    listing = tool("kvreplay", "--help").stdout  # check's line in the list of subcommands
+    assert _stated_code(listing[listing.index("    check ") :], "unreadable") == 1, listing
 
 
 def test_plot_without_matplotlib_says_which_extra(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import struct
 import time
 from collections.abc import Sequence
@@ -257,6 +258,17 @@ def test_minimize_clean_trace_is_an_error(tmp_path: Path, capsys: pytest.Capture
     assert code == 0 and "decisions re-derived under legacy" in out
 
 
+def test_minimize_knows_every_code_the_ledger_reports() -> None:
+    """``--only`` refuses a kind it does not know (``I9``, a misspelt code) before reading the
+    trace, so its list of codes must be the ledger's: every ``violate("I?", "code"`` there."""
+    from kvreplay.minimize import CODES
+
+    src = "".join(p.read_text() for p in sorted((ROOT / "kvcached" / "ledger").glob("*.py")))
+    found = re.findall(r'\.violate\(\s*"(I\d)",\s*"([a-z0-9-]+)"', src)
+    assert len(found) == src.count(".violate("), "a violation code that is not a literal: CODES cannot list it"
+    assert {code: inv for inv, code in found} == CODES
+
+
 # --- show, stats, plot ----------------------------------------------------------------------
 
 
@@ -277,6 +289,20 @@ def test_show_page_job_request(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert code == 1 and "no page 999" in err
     code, out, _ = run(capsys, "show", path, "--page", "0", "--limit", "2")
     assert "more lines" in out
+
+
+@pytest.mark.parametrize(("what", "value"), [("--job", "999"), ("--request", "nope"), ("--request", "999")])
+@pytest.mark.parametrize("json_out", [False, True])
+def test_show_of_a_job_or_request_the_trace_lacks_is_a_failed_run(
+    capsys: pytest.CaptureFixture[str], what: str, value: str, json_out: bool
+) -> None:
+    """It printed an empty timeline and exited 0, as if the job or request were there and idle."""
+    golden = str(TRACES / "finish-in-write-step.legacy.kvj")
+    code, out, err = run(capsys, "show", golden, what, value, "--no-progress", *(["--json"] if json_out else []))
+    assert (code, out) == (1, "") and err.count("\n") == 1, (code, out, err)
+    assert err.startswith(f"kvreplay: {golden}: the trace has no {what[2:]} {value}: none of its "), err
+    code, out, _ = run(capsys, "show", golden, what, "0", "--no-progress")  # one it has
+    assert code == 0 and out
 
 
 def test_stats_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -442,6 +442,13 @@ def test_a_dead_socket_is_not_listed_as_alive(
         (["kvtop"], "kvctl watch", 2),
         (["-e", "no-such-model", "status"], "no running kvcached engine", 1),
         (["why", "100000"], "not a page", 1),
+        # A size that starts with '-' is the size, refused as negative (argparse took -5M for an option).
+        (["limit", "tiny-llama", "-5M"], "'-5M': a negative size", 2),
+        (["limit", "-1.5GiB"], "'-1.5GiB': a negative size", 2),
+        (["limit", "-5"], "'-5': a negative size", 2),
+        (["limit-percent", "tiny-llama", "-5"], "from 0 to 100", 2),
+        (["budget", "b", "-5M"], "'-5M': a negative size", 2),
+        (["--timeout", "-5", "status"], "above 0", 2),
     ],
 )
 def test_errors_are_one_line(
@@ -449,6 +456,43 @@ def test_errors_are_one_line(
 ) -> None:
     code, _out, err = kv(capsys, *argv)
     assert code == exit and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_negative_size_names_the_subcommands_help(
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = kv(capsys, "limit", "tiny-llama", "-5M")
+    assert (code, out) == (2, "") and err.startswith("kvctl: limit: '-5M': a negative size") and err.count("\n") == 1
+    assert err.rstrip().endswith("(see kvctl limit --help)"), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["-e", "tiny-lama", "status"], ["limit", "tiny-lama", "8M"], ["-e", "lamma", "pins"], ["dump", "lamma", "-o"]],
+)
+def test_a_misspelt_engine_name_gets_the_close_ones(
+    engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    code, out, err = kv(capsys, *argv, *([str(tmp_path / "d.kvj")] if argv[-1] == "-o" else []))
+    assert (code, out) == (1, "") and err.count("\n") == 1, err
+    assert "no running kvcached engine matches" in err and err.rstrip().endswith("did you mean tiny-llama?"), err
+    code, _, err = kv(capsys, "-e", "no-such-model", "status")  # nothing close: nothing guessed
+    assert code == 1 and "did you mean" not in err
+
+
+def test_a_refused_limit_that_rounds_to_the_floor_says_the_bytes(
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock, manager = engine
+    control = CONTROLS[sock]
+    control.floor_pages, control.floor_why = 1, "one request of max_model_len 16 needs 4 blocks on 1 page"
+    before = manager.state().limit
+    code, out, err = kv(capsys, "limit", str(PAGE - 1))  # one byte short of the floor: both print as 64 KiB
+    assert (code, out) == (1, "") and err.count("\n") == 1, err
+    assert "limit: 65,535 B is below this engine's floor of 64 KiB (65,536 B; one request of max_model_len 16" in err
+    assert manager.state().limit == before
+    code, _, err = kv(capsys, "limit", "32K")  # the rounded sizes differ: they say it
+    assert code == 1 and "32 KiB is below this engine's floor of 64 KiB (one request of max_model_len 16" in err
 
 
 def test_help_on_every_subcommand_and_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,9 +17,10 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
 from kvcached.errors import KvcachedError
 from kvcached.ledger.findings import plural
@@ -43,7 +44,15 @@ MAX_INT: Final = 2**63 - 1
 
 class Parser(argparse.ArgumentParser):
     """argparse's, but a usage error is one line (argparse prints the usage block first) and
-    names the ``--help`` to read; subparsers made from it inherit the behaviour."""
+    names the ``--help`` to read, and a word that starts with ``-`` and a digit is a value;
+    subparsers made from it inherit the behaviour."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes only -5 and -.5 for negative numbers; -5M (a size) or -1e3 it took for an
+        # unknown option ("unrecognized arguments: -5M"), never reaching the value's own check,
+        # which says what is wrong with it. No option of these tools starts with a digit.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         top = self.prog.split()[0]

@@ -186,17 +186,19 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         print(f"kvctl: {parse.NOT_HERE[args.command]}", file=sys.stderr)
         return kvcli.USAGE
     if args.command in ("limit", "limit-percent"):
-        parse.split_target(args, ap)
+        parse.split_target(args)
     if args.command == "dump" and args.engine_arg:
         args.engine = args.engine_arg
     if args.command == "budget":
         if not NAME.fullmatch(args.name):
-            ap.error(f"budget: {args.name!r} is not a budget name (letters, digits, '.', '_', '-'; at most 64)")
+            parse.sub_command_usage("budget").error(
+                f"budget: {args.name!r} is not a budget name (letters, digits, '.', '_', '-'; at most 64)"
+            )
         if args.size is not None:
             try:
                 args.size_bytes = parse.size(args.size)
             except argparse.ArgumentTypeError as exc:
-                ap.error(f"budget: {exc}")
+                parse.sub_command_usage("budget").error(f"budget: {exc}")
 
     def body() -> int:
         if args.command == "list":

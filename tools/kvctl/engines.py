@@ -15,7 +15,9 @@ when it starts (``live.prune_dead_sockets``), so ``--prune`` is for what is left
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import time
 from typing import TextIO
 
@@ -85,9 +87,23 @@ def resolve(engine: str) -> str:
     if len(hits) == 1:
         return hits[0].socket
     if not hits:
-        raise live.LiveViewError(f"no running kvcached engine matches {engine!r} (see kvctl list)")
+        models = [f.status.engine.model for f in alive if f.status is not None and f.status.engine is not None]
+        guess = _guess(engine, models)
+        raise live.LiveViewError(f"no running kvcached engine matches {engine!r} (see kvctl list){guess}")
     pids = ", ".join(str(f.status.pid) for f in hits if f.status is not None)
     raise live.LiveViewError(f"{len(hits)} engines match {engine!r} (pids {pids}); name one by pid")
+
+
+def _guess(engine: str, models: list[str]) -> str:
+    """``; did you mean M?`` for the models ``engine`` is a misspelling of, as the settings say it
+    of a misspelt variable. ``engine`` need only be part of a model name, so each model is compared
+    whole and word by word (``lamma`` is close to the ``llama`` of ``tiny-llama``)."""
+    close: list[str] = []
+    for model in sorted(set(models)):
+        words = [model, *re.split(r"[/_.:\s-]+", model)]
+        if any(difflib.get_close_matches(engine.lower(), [w.lower() for w in words if w], n=1, cutoff=0.75)):
+            close.append(model)
+    return f"; did you mean {' or '.join(close[:3])}?" if close else ""
 
 
 def _cells(f: Found) -> tuple[str, ...]:

@@ -29,6 +29,10 @@ NOT_HERE: Final = {
 def size(text: str) -> int | None:
     if text.strip().lower() in ("none", "max", "off", "unlimited"):
         return None
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a negative size; give bytes with an optional unit (512M, 2G) or none"
+        )
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -106,11 +110,11 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def split_target(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+def split_target(args: argparse.Namespace) -> None:
     """``limit [ENGINE] SIZE``: one or two words; the last is the size (or percentage)."""
     words = args.target
     if len(words) > 2:
-        ap.error(f"{args.command}: give [ENGINE] and one value, not {len(words)} words")
+        sub_command_usage(args.command).error(f"{args.command}: give [ENGINE] and one value, not {len(words)} words")
     value = words[-1]
     if len(words) == 2:
         args.engine = words[0]
@@ -120,4 +124,9 @@ def split_target(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         else:
             args.percent = percent(value)
     except argparse.ArgumentTypeError as exc:
-        ap.error(f"{args.command}: {exc}")
+        sub_command_usage(args.command).error(f"{args.command}: {exc}")
+
+
+def sub_command_usage(command: str) -> argparse.ArgumentParser:
+    """A parser whose usage error names ``kvctl COMMAND --help``, the help that explains the value."""
+    return kvcli.Parser(prog=f"kvctl {command}")

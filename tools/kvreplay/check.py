@@ -10,11 +10,11 @@ the same findings as a deterministic document (sorted keys, file name without di
 times or versions) because golden traces keep it beside them as their expected report. A
 malformed event sequence (a report for a job never built, a double free) is an I3 violation
 found by the ledger: it is reported like any other and exits 1, and the replay goes on, since
-an I1 after it is still worth seeing; only a file that cannot be read exits 2, and so does a
-trace with no event in it (nothing was checked: "clean" would be a claim about nothing). A
-trace that ends with jobs outstanding or a shrink unfinished is not a violation (a journal read
-while its server runs ends so) but it is what a crashed run leaves, so the report says so beside
-"clean" rather than let a crash read as a clean run (``unfinished``).
+an I1 after it is still worth seeing; a file that cannot be read exits 1 too, with nothing on
+stdout, and so does a trace with no event in it (nothing was checked: "clean" would be a claim
+about nothing). A trace that ends with jobs outstanding or a shrink unfinished is not a
+violation (a journal read while its server runs ends so) but it is what a crashed run leaves, so
+the report says so beside "clean" rather than let a crash read as a clean run (``unfinished``).
 """
 
 from __future__ import annotations
@@ -253,12 +253,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
     p = sub.add_parser(
         "check",
         parents=[common],
-        help="replay a trace and report every invariant violation (exit 0 clean, 1 violation, 2 unreadable or empty)",
+        help="replay a trace and report every invariant violation "
+        "(exit 0 clean, 1 a violation or an unreadable or empty trace)",
         description="Replay every event of TRACE through the ledger under its recorded policy with its recorded "
-        "map/unmap decisions, and report each invariant violation as a short witness. Exit 0 when clean, 1 when a "
+        "map/unmap decisions, and report each invariant violation as a short witness. Exit 0 when clean; 1 when a "
         "violation was found (a malformed sequence, such as a report for a job never built, is an I3 violation), "
-        "2 when the trace cannot be read or holds no event. A trace that ends with jobs outstanding or a shrink "
-        "unfinished (as a crashed run's does) is no violation, but the report says so.",
+        "and 1 with nothing on stdout when the trace cannot be read or holds no event; 2 when the command line is "
+        "wrong. A trace that ends with jobs outstanding or a shrink unfinished (as a crashed run's does) is no "
+        "violation, but the report says so.",
     )
     p.add_argument("--json", action="store_true", help="print a deterministic JSON report (golden traces keep it)")
     p.add_argument(

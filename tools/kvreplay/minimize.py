@@ -65,6 +65,43 @@ Atom = tuple[Piece, ...]
 WHOLE: Final = -1
 SHOW_EVENTS: Final = 60
 
+# Every code the ledger reports (kvcached.ledger's ``violate`` calls), with its invariant: a
+# ``--only`` naming neither an invariant nor one of these is refused before the trace is read
+# (it used to replay the whole trace, then say it found none). tests/test_kvreplay.py keeps it
+# equal to the codes in the ledger's source.
+CODES: Final[dict[str, str]] = {
+    "unmap-under-job": "I1",
+    "copy-of-lost-block": "I1",
+    "alloc-on-unmapped": "I2",
+    "unmap-with-blocks": "I2",
+    "build-out-of-order": "I3",
+    "double-alloc": "I3",
+    "double-free": "I3",
+    "duplicate-job": "I3",
+    "report-unknown-job": "I3",
+    "over-report": "I3",
+    "page-out-of-range": "I3",
+    "double-map": "I3",
+    "double-unmap": "I3",
+    "unknown-pool": "I3",
+    "block-out-of-range": "I3",
+    "job-on-unwritten-block": "I3",
+    "pin-outlives-request": "I4",
+    "shrink-stalled": "I4",
+    "holds-block-shrink": "I4",
+    "store-of-foreign-block": "I5",
+}
+
+
+def _kind(text: str) -> str:
+    """An argparse ``type`` for ``--only``: an invariant id or a code the ledger reports."""
+    if text not in INVARIANTS and text not in CODES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an invariant ({', '.join(INVARIANTS)}) nor a violation code "
+            f"({', '.join(sorted(CODES))})"
+        )
+    return text
+
 
 class _Target:
     """Which violations a candidate must show: invariant ids or codes, each matched by one."""
@@ -538,14 +575,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "minimize",
         help="shrink a trace with a violation to a small well-formed one with the same kind of violation",
         description="Shrink TRACE to a small, well-formed trace that still shows the same kind of violation (by "
-        "default the kind of the first one `check` reports) and write it to OUT. Exit 0 when written, 2 when there "
-        "is nothing to minimize or the trace is unreadable.",
+        "default the kind of the first one `check` reports) and write it to OUT. Exit 0 when written, 1 when there "
+        "is nothing to minimize or the trace cannot be read, 2 when the command line is wrong.",
     )
     p.add_argument("trace", metavar="TRACE", help="a kvcached journal (.kvj)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the minimized trace")
     p.add_argument(
         "--only",
         action="append",
+        type=_kind,
         metavar="KIND",
         help=f"keep this kind: an invariant ({', '.join(INVARIANTS)}) or a code such as unmap-under-job; repeatable",
     )

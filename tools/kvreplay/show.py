@@ -56,6 +56,14 @@ class _Focus:
     """What one timeline follows; subclasses say which events and violations belong to it."""
 
     title = ""
+    # A job or request exists only through the events that name it: one no event names is not in
+    # the trace, and an empty timeline of it would read as one that is there and idle. A page is
+    # there by the header's geometry (checked up front), named or not.
+    needs_an_event = False
+    named = False  # set by ``timeline``: some event or violation names it
+
+    def start(self, lg: Ledger) -> None:
+        """Takes what a ledger restored from a snapshot already knows of it (none otherwise)."""
 
     def relevant(self, lg: Ledger, ev: Event) -> bool:
         raise NotImplementedError
@@ -116,6 +124,8 @@ class _Page(_Focus):
 
 
 class _Job(_Focus):
+    needs_an_event = True
+
     def __init__(self, job: int) -> None:
         self.job = job
         self.title = f"job {job}"
@@ -123,6 +133,12 @@ class _Job(_Focus):
         self.built = False
         self.reported = 0
         self.workers = 0
+
+    def start(self, lg: Ledger) -> None:
+        st = lg.tables.jobs.get(self.job)  # outstanding at the snapshot: built before it
+        if st is not None:
+            self.pages, self.workers, self.reported = set(st[2]), st[3], st[4]
+            self.built = self.named = True
 
     def relevant(self, lg: Ledger, ev: Event) -> bool:
         if isinstance(ev, JobBuilt) and ev.job == self.job:
@@ -156,12 +172,23 @@ class _Job(_Focus):
 
 
 class _Request(_Focus):
+    needs_an_event = True
+
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.req: int | None = int(spec) if spec.isdigit() else None
         self.name: str | None = None if spec.isdigit() else spec
         self.title = f"request {spec}"
         self.jobs: dict[int, int] = {}  # job -> reports still awaited
+
+    def start(self, lg: Ledger) -> None:
+        # Added before the snapshot and still live there (itself or its jobs): its name is known.
+        names = lg.tables.names
+        req = self.req if self.req in names else next((r for r, n in names.items() if n == self.name), None)
+        if req is not None:
+            self.req, self.name, self.named = req, names[req], True
+            self.title = f"request {self.name} (r{req})"
+            self.jobs = {j: st[3] - st[4] for j, st in lg.tables.jobs.items() if st[1] == req}
 
     def relevant(self, lg: Ledger, ev: Event) -> bool:
         if isinstance(ev, RequestAdded) and (ev.name == self.name or ev.req == self.req):
@@ -218,6 +245,7 @@ def timeline(
             index = lg.index - 1
             build = lg.build_of(index)
             hit = focus.relevant(lg, ev)
+            focus.named |= hit
             after = focus.state(lg)
             if hit or after != before:
                 text = _describe(ev, base)
@@ -228,6 +256,7 @@ def timeline(
             if len(lg.violations) != seen:
                 for v in lg.violations[seen:]:
                     if focus.about(v):
+                        focus.named = True
                         emit(f"  !! {v.one_line()}", {"violation": v.one_line()})
                 seen = len(lg.violations)
     if as_json:
@@ -257,7 +286,13 @@ def cmd_show(args: argparse.Namespace) -> int:
             focus = _Job(args.job)
         else:
             focus = _Request(args.request)
-        sys.stdout.write(timeline(trace, lg, skip, focus, args.derive, args.limit, args.json))
+        focus.start(lg)
+        text = timeline(trace, lg, skip, focus, args.derive, args.limit, args.json)
+        if focus.needs_an_event and not focus.named:
+            events = kvcli.plural(lg.index - skip, "event")
+            after = f" after the snapshot at event {skip:,}" if skip else ""
+            raise ReplayError(f"{args.trace}: the trace has no {focus.title}: none of its {events}{after} names it")
+        sys.stdout.write(text)
     return 0
 
 

@@ -61,10 +61,12 @@ class LiveControl:
         below the floor (``request_floor``) would leave an engine that admits no request of its
         max_model_len, waiting for memory that never comes: it is refused unless ``force``."""
         if size is not None and not force and size // self.page_cost < self.floor_pages:
-            floor = format_size(self.floor_pages * self.page_cost)
+            floor_bytes = self.floor_pages * self.page_cost
+            asked, floor, why = format_size(size), format_size(floor_bytes), self.floor_why
+            if asked == floor:  # "32 KiB is below ... floor of 32 KiB" reads as a bug: say the bytes
+                asked, why = f"{size:,} B", f"{floor_bytes:,} B; {why}"
             raise LimitRefusedError(
-                f"{format_size(size)} is below this engine's floor of {floor} ({self.floor_why}); "
-                "pass --force to set it anyway"
+                f"{asked} is below this engine's floor of {floor} ({why}); pass --force to set it anyway"
             )
         with self.lock:  # Engine.set_limit_bytes refuses a negative size and an engine without the pool
             self.engine.set_limit_bytes(size)
