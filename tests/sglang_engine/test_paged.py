@@ -9,12 +9,13 @@ the pages it hands out must be the manager's, freed through the ledger.
 from __future__ import annotations
 
 import msgspec
+import pytest
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from kvcached.ledger.events import Policy
-from kvcached.sglang.allocator import KvcachedPagedAllocator
+from kvcached.sglang.allocator import KvcachedPagedAllocator, KvcachedTokenAllocator
 from kvcached.sglang.engine import engine_of
 from kvcached.sglang.hooks import pools_on_kvcached
 from kvcached.sglang.testing.scenarios import config
@@ -77,5 +78,25 @@ def test_it_places_a_batch_as_sglangs_allocator_does_on_pages_kvcached_maps() ->
         engine.bridge.step()
         assert manager.state().mapped == baseline
         assert engine.ledger.violations == []
+    finally:
+        engine.close()
+
+
+def test_an_allocator_whose_page_size_is_not_its_pools_is_refused() -> None:
+    """SGLang's own unit tests build a page-size-1 token allocator over a pool of page size 16.
+    kvcached hands out the pool's pages, so that allocator answered in pages as if they were
+    slots: ``available_size()`` 16 where SGLang says 256, ``alloc(32)`` None, ``alloc(3)`` page
+    ids. Refused in one line, for both of SGLang's allocators."""
+    with pools_on_kvcached(msgspec.structs.replace(config(Policy.LEDGER))):
+        pool = _pool()
+    engine = engine_of(pool)
+    assert engine is not None
+    try:
+        with pytest.raises(SystemExit) as info:
+            KvcachedTokenAllocator(511, torch.float32, "cpu", pool, need_sort=False)
+        assert "page size 1 over a MHATokenToKVPool of page size 16" in str(info.value)
+        assert "\n" not in str(info.value)
+        with pytest.raises(SystemExit, match="page size 8 over a MHATokenToKVPool of page size 16"):
+            KvcachedPagedAllocator(511, 8, torch.float32, "cpu", pool, need_sort=False)
     finally:
         engine.close()
