@@ -10,7 +10,10 @@ absurd gets through (``nan``, ``inf``, ``1e400``, a page of 1e30 MiB), and the b
 a value stops describing any machine kvcached could serve. Where a name is upstream kvcached's,
 its meaning and default are upstream's (``KVCACHED_MAX_CACHED_TOKENS``: 16,000 by default,
 negative for no cap); ``unknown_settings`` names the ``KVCACHED_*`` variables this kvcached does
-not read, as vLLM does for unknown ``VLLM_*`` ones, and says which upstream names do not apply.
+not read, as vLLM does for unknown ``VLLM_*`` ones, and says which upstream names do not apply;
+``ignored_settings`` names those it reads that the running engine has no use for (``SCOPES``). A
+default the user did not give yields to a value they gave (a reserve maximum below the default
+minimum lowers it), and ``Settings.notes`` says so for the startup line.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ _LONGEST: Final = 32  # characters: no number kvcached takes is longer; beyond, 
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")
-_COUNT = re.compile(r"[+-]?[0-9]+")
+# The one syntax of a whole number that cannot be negative (a count from 0, whole MiB): digits
+# alone, no sign, as the sizes refuse one (``-0`` would read as a negative number let through).
+_DIGITS = re.compile(r"[0-9]+")
+_SIGNED = re.compile(r"[+-]?[0-9]+")  # a count that may be negative: upstream's int() (MAX_CACHED_TOKENS)
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 Kind = Literal["flag", "count", "mib", "word", "path", "size"]
@@ -90,6 +96,9 @@ class Var(msgspec.Struct, frozen=True, kw_only=True):
     low: int = 0  # counts: the smallest value; sizes: the fewest bytes
     high: int = 0  # counts: the largest value; sizes: the most bytes
     words: tuple[str, ...] = ()
+    # MiB: whole MiB only (``_DIGITS``), where upstream reads the variable with int(); else an
+    # exact decimal of whole 4 KiB units (a page: 0.25 serves the host backend).
+    whole: bool = False
     hint: str = ""  # what to set, after "set ..."
 
 
@@ -149,18 +158,26 @@ FLIGHT_EVENTS: Final = Var(
     hint="a whole number of events up to 16,777,216 (65536 by default, 0 for off)",
 )
 DUMP_DIR: Final = Var(
-    name="KVCACHED_DUMP_DIR", kind="path", default="",
+    name="KVCACHED_DUMP_DIR",
+    kind="path",
+    default="",
     hint="a directory for flight-recorder dumps, or leave it unset ($XDG_STATE_HOME/kvcached)",
 )
 BUDGET: Final = Var(
     name="KVCACHED_BUDGET", kind="path", default="", hint="a budget name shared by engines, or leave it unset"
 )
 BUDGET_BYTES: Final = Var(
-    name="KVCACHED_BUDGET_BYTES", kind="size", default="0", high=MAX_SIZE,
+    name="KVCACHED_BUDGET_BYTES",
+    kind="size",
+    default="0",
+    high=MAX_SIZE,
     hint="a size such as 8G or 512M (0 or unset: the budget's size is set by kvctl budget)",
 )
 MAX_RESERVED_BYTES: Final = Var(
-    name="KVCACHED_MAX_RESERVED_BYTES", kind="size", default="0", high=MAX_SIZE,
+    name="KVCACHED_MAX_RESERVED_BYTES",
+    kind="size",
+    default="0",
+    high=MAX_SIZE,
     hint="a size such as 64M (0 or unset: KVCACHED_MAX_RESERVED_PAGES alone bounds the reserve)",
 )
 # The journal's disk, for a server that runs for weeks (kvcached/service/retention.py). The names
@@ -170,29 +187,48 @@ MAX_RESERVED_BYTES: Final = Var(
 # weeks nobody looks. 4 GiB holds hours of a busy engine's events (16 segments of the default
 # 256 MiB; each earlier run kept, KVCACHED_JOURNAL_KEEP_RUNS, is at most as large).
 MAX_JOURNAL_BYTES: Final = Var(
-    name="KVCACHED_MAX_JOURNAL_BYTES", kind="size", default="4G", high=MAX_SIZE,
+    name="KVCACHED_MAX_JOURNAL_BYTES",
+    kind="size",
+    default="4G",
+    high=MAX_SIZE,
     hint="a size such as 4G or 512M for the journal's files of one run (4G by default, 0 for no bound)",
 )
 JOURNAL_SEGMENT_BYTES: Final = Var(
-    name="KVCACHED_JOURNAL_SEGMENT_BYTES", kind="size", default="256M", low=64 << 10, high=1 << 40,
+    name="KVCACHED_JOURNAL_SEGMENT_BYTES",
+    kind="size",
+    default="256M",
+    low=64 << 10,
+    high=1 << 40,
     hint="a size from 64K to 1T at which the journal starts its next segment, such as 256M (the default)",
 )
 JOURNAL_KEEP_RUNS: Final = Var(
-    name="KVCACHED_JOURNAL_KEEP_RUNS", kind="count", default="3", high=1000,
+    name="KVCACHED_JOURNAL_KEEP_RUNS",
+    kind="count",
+    default="3",
+    high=1000,
     hint="a whole number of earlier runs' journals to keep, from 0 to 1000 (3 by default)",
 )
 JOURNAL_DURABILITY: Final = Var(
-    name="KVCACHED_JOURNAL_DURABILITY", kind="word", default="interval", words=("none", "interval", "batch"),
+    name="KVCACHED_JOURNAL_DURABILITY",
+    kind="word",
+    default="interval",
+    words=("none", "interval", "batch"),
     hint="none (never fsync), interval (fsync every second, the default) or batch (fsync every frame)",
 )
 MAX_DUMPS: Final = Var(
-    name="KVCACHED_MAX_DUMPS", kind="count", default="20", low=1, high=100_000,
+    name="KVCACHED_MAX_DUMPS",
+    kind="count",
+    default="20",
+    low=1,
+    high=100_000,
     hint="a whole number of flight-recorder dumps an engine keeps, from 1 to 100,000 (20 by default)",
 )
 # Where the manager puts a run of new blocks (kv_cache_manager.Placement's values; kept here as
 # words so that the API server reads settings without importing the manager).
 PLACEMENT: Final = Var(
-    name="KVCACHED_PLACEMENT", kind="word", default="whole-pages",
+    name="KVCACHED_PLACEMENT",
+    kind="word",
+    default="whole-pages",
     words=("whole-pages", "best-fit", "fullest", "lowest"),
     hint="whole-pages (the default: a request's whole pages of its own, the fewest pages mapped), best-fit "
     "(upstream kvcached's rule, vLLM's own block ids on a fresh pool), fullest or lowest",
@@ -200,9 +236,14 @@ PLACEMENT: Final = Var(
 # Upstream kvcached's name for the least KV memory an engine may be limited to: a limit below the
 # floor (what one request of max_model_len needs, or this if larger) is refused unless forced
 # (kvctl limit --force), so that a typo cannot leave a server that admits no request.
+# Whole MB, as upstream's router reads it (``int(os.getenv("KVCACHED_MIN_KV_CACHE_MB", ...))``).
 MIN_KV_CACHE: Final = Var(
-    name="KVCACHED_MIN_KV_CACHE_MB", kind="mib", default="0", high=MAX_SIZE,
-    hint="a size in MiB (0 or unset: one request of max_model_len is the floor of kvctl limit)",
+    name="KVCACHED_MIN_KV_CACHE_MB",
+    kind="mib",
+    default="0",
+    high=MAX_SIZE,
+    whole=True,
+    hint="a whole number of MiB (0 or unset: one request of max_model_len is the floor of kvctl limit)",
 )
 SETTINGS: Final = (
     ENABLE,
@@ -266,6 +307,42 @@ UPSTREAM_ONLY: Final = {
 }
 
 
+class Scope(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a setting has an effect: the engines that read it (``ENGINES``' keys), and why it
+    has none elsewhere."""
+
+    engines: frozenset[str]
+    why: str
+
+
+ENGINES: Final = {"vllm": "vLLM", "sglang": "SGLang"}
+
+# The settings that do not apply under every engine kvcached serves (any other applies under all).
+# Given where it has no effect, a setting is named in one line, as an unknown name is: whoever set
+# it expects it to change something, and otherwise would not learn that it did not.
+SCOPES: Final[Mapping[str, Scope]] = {
+    # Upstream's switch between one virtual range for all layers and one per layer; here the layout
+    # is read from the tensors the engine allocates (vLLM: kv_layout.plan from its KVCacheConfig;
+    # SGLang: sglang.engine.pool_geometry from its pool), and nothing reads the setting.
+    CONTIGUOUS.name: Scope(
+        engines=frozenset(),
+        why="upstream's switch between one range for all layers and one per layer; here kvcached follows "
+        "the layout of the KV tensors the engine allocates",
+    ),
+}
+
+
+def ignored_settings(engine: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """One line (without a prefix) per setting given in ``env`` that ``engine`` (``"vllm"`` or
+    ``"sglang"``) does not read, saying why."""
+    e = os.environ if env is None else env
+    return [
+        f"{name}={_show(e[name])} does not apply under {ENGINES[engine]} ({scope.why}); ignored"
+        for name, scope in SCOPES.items()
+        if engine not in scope.engines and e.get(name, "").strip()
+    ]
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     enabled: bool = False  # ENABLE_KVCACHED
     page_bytes: int = 2 << 20  # KVCACHED_PAGE_SIZE_MB
@@ -292,6 +369,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_dumps: int = 20  # KVCACHED_MAX_DUMPS
     min_kv_cache_bytes: int = 0  # KVCACHED_MIN_KV_CACHE_MB: the least a limit may be, beside one request
     placement: str = "whole-pages"  # KVCACHED_PLACEMENT: a kv_cache_manager.Placement value
+    # What from_env changed of a default to fit a value the user gave, one phrase each, for the
+    # startup line ("min reserved pages 2 (default 5 lowered to the given max)"); () if nothing.
+    notes: tuple[str, ...] = ()
 
     @staticmethod
     def enabled_in(env: Mapping[str, str] | None = None) -> bool:
@@ -303,12 +383,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         e = os.environ if env is None else env
         tokens = _count(e, MAX_CACHED_TOKENS)
+        min_pages, max_pages, notes = _reserve(e)
         s = cls(
             enabled=_flag(e, ENABLE),
             page_bytes=_count(e, PAGE_SIZE),
-            page_bytes_set=bool(e.get(PAGE_SIZE.name, "").strip()),  # _read's rule: blank is the default
-            min_reserved_pages=_count(e, MIN_RESERVED),
-            max_reserved_pages=_count(e, MAX_RESERVED_VAR),
+            page_bytes_set=_given(e, PAGE_SIZE),
+            min_reserved_pages=min_pages,
+            max_reserved_pages=max_pages,
             contiguous_layout=_flag(e, CONTIGUOUS),
             backend=_text(e, BACKEND),
             policy=Policy(_text(e, POLICY)),
@@ -326,6 +407,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             max_dumps=_count(e, MAX_DUMPS),
             min_kv_cache_bytes=_count(e, MIN_KV_CACHE),
             placement=_text(e, PLACEMENT),
+            notes=notes,
         )
         if s.budget is not None and not BUDGET_NAME.fullmatch(s.budget):
             raise ConfigError(
@@ -359,6 +441,26 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return max(1, t // block_size)
 
 
+def _given(env: Mapping[str, str], var: Var) -> bool:
+    """Whether the user gave ``var`` (``_read``'s rule: blank is the default, not a value)."""
+    return bool(env.get(var.name, "").strip())
+
+
+def _reserve(env: Mapping[str, str]) -> tuple[int, int, tuple[str, ...]]:
+    """The reserve's bounds in pages, and what was changed of a default to fit them. A bound the
+    user did not give yields to one they gave: upstream kvcached takes
+    ``KVCACHED_MAX_RESERVED_PAGES=2`` alone (its ``PageAllocator.__init__`` takes both bounds as
+    they are), so the default minimum of 5 is lowered to it, and a minimum given above the
+    default maximum raises that. Two given that contradict are the user's to settle: ``from_env``
+    refuses them."""
+    low, high = _count(env, MIN_RESERVED), _count(env, MAX_RESERVED_VAR)
+    if low <= high or _given(env, MIN_RESERVED) == _given(env, MAX_RESERVED_VAR):
+        return low, high, ()
+    if _given(env, MAX_RESERVED_VAR):
+        return high, high, (f"min reserved pages {high} (default {low} lowered to the given max)",)
+    return low, low, (f"max reserved pages {low} (default {high} raised to the given min)",)
+
+
 def _show(raw: str) -> str:
     """The value as the refusal shows it: quoted, escaped onto one line, and not a page long."""
     return repr(raw) if len(raw) <= 40 else repr(raw[:40]) + "..."
@@ -387,14 +489,18 @@ def _read(env: Mapping[str, str], var: Var) -> bool | int | str:
             return low
         refusal = "not one of " + ", ".join(var.words)
     elif var.kind == "count":
-        if not _COUNT.fullmatch(text):
+        if var.low >= 0 and not _DIGITS.fullmatch(text):
+            refusal = "not a whole number (plain decimal digits, no sign)"
+        elif not _SIGNED.fullmatch(text):
             refusal = "not a whole number"
         elif not var.low <= (n := int(text)) <= var.high:
             refusal = "out of range"
         else:
             return n
     elif var.kind == "mib":
-        if not _DECIMAL.fullmatch(text):
+        if var.whole and not _DIGITS.fullmatch(text):
+            refusal = "not a whole number of MiB (plain decimal digits)"
+        elif not _DECIMAL.fullmatch(text):
             refusal = "not a size in MiB (plain decimal digits)"
         else:
             size = Fraction(text) * _MiB

@@ -4,7 +4,8 @@ They run where vLLM builds its configuration (the API server, before any engine 
 starts), so a refusal costs a second, not a model load, and reads as one line instead of a
 worker's traceback. There too, as vLLM's ``validate_environ`` does for unknown ``VLLM_*``
 variables, each ``KVCACHED_*`` variable kvcached does not read gets one warning line: a
-misspelt setting would otherwise go unnoticed, its default in force. What they accept is what
+misspelt setting would otherwise go unnoticed, its default in force; so does one it reads that
+has no effect under vLLM (``settings.SCOPES``: ``KVCACHED_CONTIGUOUS_LAYOUT``). What they accept is what
 the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
 ``OffloadingConnector`` as the only one; tensor parallelism of any size (each rank's KV memory
 lives in its worker, which applies the scheduler's page decisions carried by each step:
@@ -27,7 +28,7 @@ from typing import Any
 
 from ...backends import cuda_visible
 from ...errors import ConfigError
-from ...settings import Settings, unknown_settings
+from ...settings import Settings, ignored_settings, unknown_settings
 from ..patches import CONNECTOR_MODULE
 
 log = logging.getLogger("vllm.kvcached")  # the plugin's logger: vLLM's format and handlers
@@ -50,8 +51,10 @@ def check_config(
     vllm_config: Any, settings: Settings, *, version: str, on_cpu: bool, env: Mapping[str, str] | None = None
 ) -> None:
     """Raise ``ConfigError`` (one line, what to change) for a setup kvcached does not serve; warn,
-    one line each, of the ``KVCACHED_*`` variables in ``env`` (the environment) it does not read."""
-    for warning in unknown_settings(os.environ if env is None else env):
+    one line each, of the ``KVCACHED_*`` variables in ``env`` (the environment) it does not read,
+    and of those it reads that have no effect under vLLM (``settings.SCOPES``)."""
+    e = os.environ if env is None else env
+    for warning in [*unknown_settings(e), *ignored_settings("vllm", e)]:
         log.warning("[kvcached] %s", warning)
     check_vllm_version(version)
     par = vllm_config.parallel_config

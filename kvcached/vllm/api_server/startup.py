@@ -1,22 +1,24 @@
 """The API server's patch: the startup checks, then kvcached's series on its ``/metrics``.
 
 ``EngineArgs.create_engine_config`` builds the ``VllmConfig`` every engine of ``vllm serve``
-starts from, in the API server's process, before any engine process exists: its replacement
-runs vLLM's, then ``checks.check_config``, which refuses an unsupported setup with one line
-(``SystemExit``: no traceback), names kvcached's OffloadingConnector for vLLM's connector factory
-(``name_connector``), then joins kvcached's series to vLLM's Prometheus registry. Under
-``--api-server-count N`` every API server process runs it too (each builds its own config in
-``build_async_engine_client_from_engine_args``), and each gets the collector; the registry vLLM
-serves there is made later, by ``get_prometheus_registry``, whose wrapper adds the collector.
+starts from, in the API server's process, before any engine process exists: its replacement runs
+vLLM's, then ``checks.check_config``, which refuses an unsupported setup with one line (an error
+on vLLM's logger, then ``SystemExit``: no traceback), names kvcached's OffloadingConnector for
+vLLM's connector factory (``name_connector``), then joins kvcached's series to vLLM's Prometheus
+registry. Under ``--api-server-count N`` every API server process runs it too (each builds its
+own config in ``build_async_engine_client_from_engine_args``), and each gets the collector; the
+registry vLLM serves there is made later, by ``get_prometheus_registry``, whose wrapper adds the
+collector.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ...errors import ConfigError
 from ...settings import Settings
@@ -26,12 +28,33 @@ from . import checks
 # vllm serve's --data-parallel-size, for its engine cores (``engine_core.ranks.data_parallel_size``).
 DP_SIZE_ENV = "KVCACHED_SERVE_DP_SIZE"
 
+log = logging.getLogger("vllm.kvcached")  # the plugin's logger: vLLM's format and handlers
 
-def refuse(message: str) -> Any:
-    """End the process with one line on stderr (SystemExit prints its message; a log line as
-    well was two)."""
-    line = message if message.startswith("kvcached") else f"kvcached: {message}"
-    raise SystemExit(line)
+
+class Refused(SystemExit):
+    """Exit status 1 once the refusal is logged. The interpreter prints a ``SystemExit``'s text
+    (a second copy of the line) unless its code is a number; ``str`` still gives the text, for
+    whoever catches it."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(1)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def refuse(message: str) -> NoReturn:
+    """End the process with one line: an error on vLLM's logger, prefixed as kvcached's other
+    lines are (``[kvcached] refused: ...``, as the engine core's ``served.wrap_scheduler_init``
+    says it), and exit status 1. A level that hides errors (``VLLM_LOGGING_LEVEL=CRITICAL``) must
+    not make the refusal silent: the line then goes to stderr as it is."""
+    line = "[kvcached] refused: " + message.removeprefix("kvcached: ")
+    if log.isEnabledFor(logging.ERROR):
+        log.error("%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+    raise Refused(line)
 
 
 def name_connector(kv_transfer_config: Any) -> None:
