@@ -19,6 +19,13 @@ a grant would fall short, when an engine joins and when the size is set; ``usage
 dead and does not count them. So an engine killed with SIGKILL holds nothing another engine
 needs.
 
+An engine that starts on a full budget *joins* (``join``): it claims the bytes it needs to serve
+(its floor, one request of ``max_model_len``), so no other engine is granted them, and waits. The
+engines that hold more than their own floor read what is asked of them (``asked``) from their
+ledger service's thread and give back (``page_allocator.PageAllocator.yield_to``): empty reserve
+pages first, then prefix-cached pages no request uses, down to their floor. The joiner goes on
+once the bytes are free, or refuses to start in one line after ``KVCACHED_JOIN_WAIT_S``.
+
 A budget without a size bounds nothing until one is set (``KVCACHED_BUDGET_BYTES`` or
 ``set_budget_size``, which ``kvctl budget NAME SIZE`` calls). Lowering the size below what is in
 use takes nothing away: engines map no more until enough is given back (by their limits).
@@ -39,7 +46,7 @@ import msgspec
 
 from .errors import ConfigError, ServiceError
 from .ledger.files import kind
-from .settings import BUDGET_NAME
+from .settings import BUDGET_NAME, format_size
 
 NAME = BUDGET_NAME  # as KVCACHED_BUDGET takes it (settings.py)
 # Seconds a process waits for a budget's lock before refusing: a holder keeps it for a read and a
@@ -63,6 +70,9 @@ class Share(msgspec.Struct, frozen=True, kw_only=True):
     start: int  # the process's start time in clock ticks since boot (0 where /proc is absent)
     tag: int  # which Budget object of that process
     bytes: int
+    # Bytes this engine waits for (``Budget.join``): no other engine is granted them, and the
+    # others give back toward them (``asked``). A default, so that older files still decode.
+    claim: int = 0
 
 
 class BudgetFile(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +84,9 @@ class BudgetFile(msgspec.Struct, frozen=True, kw_only=True):
     def used(self) -> int:
         return sum(s.bytes for s in self.shares)
 
+    def claimed_by_others(self, mine: Callable[[Share], bool]) -> int:
+        return sum(s.claim for s in self.shares if not mine(s))
+
 
 class EngineUsage(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
@@ -82,12 +95,14 @@ class EngineUsage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class BudgetUsage(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``usage()`` reports: the size (None: unbounded), the bytes in use, per engine."""
+    """What ``usage()`` reports: the size (None: unbounded), the bytes in use, per engine, and
+    the bytes joining engines wait for (``claimed``)."""
 
     name: str
     size: int | None
     used: int
     engines: tuple[EngineUsage, ...]
+    claimed: int = 0
 
     @property
     def headroom(self) -> int | None:
@@ -379,16 +394,76 @@ class Budget:
 
         def take(state: BudgetFile) -> BudgetFile | None:
             nonlocal granted
-            room = nbytes if state.size is None else min(nbytes, max(0, state.size - state.used))
+            room = nbytes if state.size is None else min(nbytes, self._room(state))
             if room < nbytes and any(s.pid != self.pid for s in state.shares):
                 state = self._files.reclaim(state)
-                room = min(nbytes, max(0, (state.size or 0) - state.used))
+                room = min(nbytes, self._room(state))
             granted = room - room % unit
             return self._with_bytes(state, granted) if granted else state
 
         self._change(take)
         self.held += granted
         return granted
+
+    def _room(self, state: BudgetFile) -> int:
+        """What this engine may be granted in ``state`` (a sized one): what is free, less what
+        other engines wait for (their claims)."""
+        return max(0, (state.size or 0) - state.used - state.claimed_by_others(self._mine))
+
+    def join(self, nbytes: int, wait: float, *, poll: float = 0.1) -> float:
+        """Wait until this engine could be granted ``nbytes`` (capped at the budget's size), for
+        at most ``wait`` seconds; returns the seconds waited. Meanwhile the bytes are claimed:
+        no other engine is granted them, and engines that hold more than their floor give back
+        toward them (``asked``, which their controls read). Raises ``BudgetError`` in one line
+        at the bound, naming what holds the budget. ``kvcached.budget``'s docstring: why."""
+        t0 = time.monotonic()
+        while True:
+            with self._files.locked(reclaim=True) as state:
+                want = 0 if state.size is None else min(nbytes, state.size)
+                room = self._room(state) if want else 0
+                claim = want if room < want else 0
+                if claim != self._claim_in(state):
+                    self._files.write(self._with_claim(state, claim))
+            waited = time.monotonic() - t0
+            if claim == 0:
+                return waited
+            if waited >= wait:
+                self._set_claim(0)
+                raise BudgetError(
+                    f"budget {self.name} has {format_size(room)} free for this engine's {format_size(want)} after "
+                    f"{wait:g} s ({_holders(state, self._mine)}); lower a neighbour's limit (kvctl limit), raise the "
+                    "budget (kvctl budget) or KVCACHED_JOIN_WAIT_S"
+                )
+            time.sleep(poll)
+
+    def _claim_in(self, state: BudgetFile) -> int:
+        return next((s.claim for s in state.shares if self._mine(s)), 0)
+
+    def _with_claim(self, state: BudgetFile, claim: int) -> BudgetFile:
+        shares = tuple(msgspec.structs.replace(s, claim=claim) if self._mine(s) else s for s in state.shares)
+        return msgspec.structs.replace(state, shares=shares)
+
+    def _set_claim(self, claim: int) -> None:
+        self._change(lambda s: self._with_claim(s, claim) if self._claim_in(s) != claim else None)
+
+    def asked(self) -> int:
+        """Bytes other engines wait for beyond what is free: what engines over their floor are
+        asked to give back (each engine reads the same figure; 0 when nobody waits)."""
+        with self._files.locked(reclaim=False) as state:
+            pass
+        claimed = state.claimed_by_others(self._mine)
+        if not claimed or state.size is None:
+            return 0
+        return max(0, claimed - max(0, state.size - state.used))
+
+    def yield_cap(self, page_cost: int, floor_pages: int) -> int | None:
+        """The most pages this engine may keep while others wait (None: nobody does): what it
+        holds less what is asked of it, not below its floor. Every byte given back lowers both
+        alike, so the cap stays put while the pages go, however late their bytes return."""
+        asked = self.asked()
+        if not asked:
+            return None
+        return max(floor_pages, (self.held - asked) // page_cost)
 
     def release(self, nbytes: int) -> None:
         """Give back ``nbytes`` of what this engine holds."""
@@ -433,6 +508,12 @@ def _usage(name: str, files: _Files) -> BudgetUsage:
     return _usage_of(name, state)
 
 
+def _holders(state: BudgetFile, mine: Callable[[Share], bool]) -> str:
+    """``held by pid 1234: 64 MiB, pid 5678: 16 MiB`` for a one-line refusal."""
+    held = [f"pid {s.pid}: {format_size(s.bytes)}" for s in state.shares if not mine(s) and s.bytes]
+    return "held by " + ", ".join(held) if held else "held by no other engine"
+
+
 def _usage_of(name: str, state: BudgetFile) -> BudgetUsage:
     engines: dict[tuple[int, bool], int] = {}
     for s in state.shares:  # one line per process, however many engines it runs
@@ -443,6 +524,7 @@ def _usage_of(name: str, state: BudgetFile) -> BudgetUsage:
         size=state.size,
         used=sum(b for (_, alive), b in engines.items() if alive),
         engines=tuple(EngineUsage(pid=p, bytes=b, alive=a) for (p, a), b in sorted(engines.items())),
+        claimed=sum(s.claim for s in state.shares if _alive(s)),
     )
 
 

@@ -155,6 +155,10 @@ class PageAllocator:
         self.min_reserved = min_reserved
         self.max_reserved = max_reserved
         self.limit = self.num_pages if limit is None else limit
+        # ``limit`` is the lower of the two: the operator's (``set_limit``) and the cap while a
+        # joining engine waits for the budget's bytes (``yield_to``; None: none).
+        self._set_limit = self.limit
+        self._yield_cap: int | None = None
         if budget is not None and page_cost <= 0:
             raise KvcachedError("a page allocator under a budget needs the bytes a page costs (page_cost)")
         self.page_cost = page_cost
@@ -431,15 +435,36 @@ class PageAllocator:
         self._unmap_retry = bool(kept)
 
     def set_limit(self, pages: int) -> AllocatorState:
-        """Lower or raise the limit; a lowered limit shrinks now as far as the ledger allows."""
-        self.limit = max(0, min(pages, self.num_pages))
-        self.changes += 1
-        self.recorder.emit(MemoryLimit(self.limit))
-        self._drain()  # reserve topped up since the last drain
-        self._trim()
-        if not self.shrinking:
-            self._top_up()
-        self._return_lease()
+        """Lower or raise the limit; a lowered limit shrinks now as far as the ledger allows.
+
+        NOTE: a raised limit maps nothing: the reserve refills at the next ``alloc_page``, when
+        the engine has work. Topping it up here made an idle engine whose limit was lifted take
+        its reserve's pages back from a neighbour that needed them."""
+        self._set_limit = max(0, min(pages, self.num_pages))
+        return self._limit_changed(force=True)
+
+    def yield_to(self, cap: int | None) -> bool:
+        """Map at most ``cap`` pages while another engine waits for the budget's bytes (None: no
+        such cap); the operator's limit still holds below it. Returns whether the limit changed.
+        The pages over it go as a lowered limit's do: reserved ones as the ledger lets them,
+        cached blocks as the engine evicts them (``in_use_over_limit``)."""
+        cap = None if cap is None else max(0, min(cap, self.num_pages))
+        if cap == self._yield_cap:
+            return False
+        self._yield_cap = cap
+        before = self.limit
+        self._limit_changed(force=False)
+        return self.limit != before
+
+    def _limit_changed(self, *, force: bool) -> AllocatorState:
+        limit = self._set_limit if self._yield_cap is None else min(self._set_limit, self._yield_cap)
+        if limit != self.limit or force:
+            self.limit = limit
+            self.changes += 1
+            self.recorder.emit(MemoryLimit(limit))
+            self._drain()  # reserve topped up since the last drain
+            self._trim()
+            self._return_lease()
         return self.state()
 
     def state(self) -> AllocatorState:
@@ -461,6 +486,8 @@ class PageAllocator:
                 room = budget.headroom()
                 if room is not None and room < self.page_cost:
                     reason += f"; budget {budget.name} full ({format_bytes(room)} left)"
+        if self.limit < self._set_limit:
+            reason += f"; limit lowered from {self._set_limit} while another engine waits for the budget's bytes"
         cost = self.page_cost
         return AllocatorState(
             limit=self.limit,

@@ -245,6 +245,15 @@ MIN_KV_CACHE: Final = Var(
     whole=True,
     hint="a whole number of MiB (0 or unset: one request of max_model_len is the floor of kvctl limit)",
 )
+# How long an engine that starts on a full shared budget waits for the others to give back its
+# floor (kvcached.budget.Budget.join) before it refuses to start.
+JOIN_WAIT: Final = Var(
+    name="KVCACHED_JOIN_WAIT_S",
+    kind="count",
+    default="120",
+    high=86_400,
+    hint="a whole number of seconds up to 86,400 (120 by default; 0: refuse at once on a full budget)",
+)
 SETTINGS: Final = (
     ENABLE,
     PAGE_SIZE,
@@ -267,6 +276,7 @@ SETTINGS: Final = (
     MAX_DUMPS,
     MIN_KV_CACHE,
     PLACEMENT,
+    JOIN_WAIT,
 )
 
 # Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
@@ -369,6 +379,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_dumps: int = 20  # KVCACHED_MAX_DUMPS
     min_kv_cache_bytes: int = 0  # KVCACHED_MIN_KV_CACHE_MB: the least a limit may be, beside one request
     placement: str = "whole-pages"  # KVCACHED_PLACEMENT: a kv_cache_manager.Placement value
+    join_wait_s: int = 120  # KVCACHED_JOIN_WAIT_S
     # What from_env changed of a default to fit a value the user gave, one phrase each, for the
     # startup line ("min reserved pages 2 (default 5 lowered to the given max)"); () if nothing.
     notes: tuple[str, ...] = ()
@@ -407,6 +418,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             max_dumps=_count(e, MAX_DUMPS),
             min_kv_cache_bytes=_count(e, MIN_KV_CACHE),
             placement=_text(e, PLACEMENT),
+            join_wait_s=_count(e, JOIN_WAIT),
             notes=notes,
         )
         if s.budget is not None and not BUDGET_NAME.fullmatch(s.budget):

@@ -60,6 +60,9 @@ from kvcached.service.retention import MAX_BYTES_VAR, DumpRetention, JournalBoun
 log = logging.getLogger("kvcached.service.ledger_service")
 
 _IDLE_MAX: Final = 0.1  # longest idle sleep: how stale the live view and the journal get at a trickle
+# How often the engine's control looks at its shared budget (``EngineControl.tick``): a joining
+# engine's claim is seen within this, by an idle engine too (one locked read of a small file).
+TICK_S: Final = 0.25
 
 
 # --- the hand-off ---------------------------------------------------------------------------
@@ -241,6 +244,7 @@ class LedgerService:
             async with anyio.create_task_group() as tg:
                 if self.config.socket:
                     await tg.start(LiveServer(self, self.config.socket, client_queue=self.config.live_queue).serve)
+                tg.start_soon(self._tick_forever)
                 task_status.started()
                 await self._drain_forever()
                 tg.cancel_scope.cancel()
@@ -249,6 +253,23 @@ class LedgerService:
                 await self._disk(self._close_journal)
                 while self._dump_requests:  # asked as the service stopped: nobody waits forever
                     self._dump_requests.popleft()[1].set()
+
+    async def _tick_forever(self) -> None:
+        """Let the engine's control look at its budget every ``TICK_S`` (in a worker thread: it
+        takes the engine's lock); a failing tick is logged once and retried."""
+        failing = False
+        while True:
+            await anyio.sleep(TICK_S)
+            control = self.control
+            if control is None:
+                continue
+            try:
+                await anyio.to_thread.run_sync(control.tick)
+                failing = False
+            except Exception as exc:  # the journal and kvctl's socket go on without it
+                if not failing:
+                    log.warning("kvcached: the engine's budget tick failed (retried every %g s): %r", TICK_S, exc)
+                failing = True
 
     async def _drain_forever(self) -> None:
         p, cfg = self.producer, self.config

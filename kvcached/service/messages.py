@@ -236,6 +236,10 @@ class EngineControl(Protocol):
     # bytes; None: no limit. Below the floor raises LimitRefusedError unless ``force``.
     def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus: ...
 
+    # Every ``ledger_service.TICK_S``, from a worker thread: give back toward other engines'
+    # claims on the shared budget (``kvcached.budget.Budget.join``), down to this one's floor.
+    def tick(self) -> None: ...
+
 
 class LiveSource(Protocol):
     """What the live view reads from the service: its replica, its counters and its batches."""

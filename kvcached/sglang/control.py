@@ -38,14 +38,25 @@ class SglangControl:
     """The ``EngineControl`` of one SGLang engine (see the module docstring)."""
 
     def __init__(
-        self, manager: KVCacheManager, budget: Budget | None, info: EngineInfo, page_cost: int, page_size: int = 1
+        self,
+        manager: KVCacheManager,
+        budget: Budget | None,
+        info: EngineInfo,
+        page_cost: int,
+        page_size: int = 1,
+        *,
+        floor_pages: int = 1,
     ) -> None:
         self.manager = manager
         self.budget = budget
         self.page_cost = page_cost  # a page in every region: 2 * layers of them
+        self.floor_pages = floor_pages  # what it yields down to on a shared budget
         self._info = info
         self._lock = threading.Lock()
         self._pending: tuple[int, threading.Event] | None = None
+        # The cap the budget's claims ask for (``tick``), applied at the next step; a 1-tuple so
+        # that "no change" (None) differs from "no cap" ((None,)).
+        self._cap: tuple[int | None] | None = None
         # Evicts up to n tokens of SGLang's tree cache (set by the scheduler's hook, ``hooks._step``).
         self.evict_cached: Callable[[int], int] | None = None
         g = manager.geometry
@@ -85,14 +96,25 @@ class SglangControl:
         done.wait(APPLY_WAIT_S)
         return self.memory()
 
+    def tick(self) -> None:
+        """What other engines' claims on the budget ask of this one (the ledger service calls it
+        every ``TICK_S``), for the scheduler's next step to apply."""
+        if self.budget is not None:
+            cap = self.budget.yield_cap(self.page_cost, self.floor_pages)
+            with self._lock:
+                self._cap = (cap,)
+
     def apply(self) -> None:
         """On the scheduler's thread, at a step: the limit asked for since the last one."""
         with self._lock:
             pending, self._pending = self._pending, None
+            cap, self._cap = self._cap, None
         if pending is not None:
             pages, done = pending
             self.manager.set_limit_pages(pages)
             done.set()
+        if cap is not None:
+            self.manager.allocator.yield_to(cap[0])
         over = self.manager.allocator.in_use_over_limit
         if over and self.evict_cached is not None:
             # The pages empty once all their slots are evicted: their grace ends at a later step.

@@ -70,6 +70,11 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
     budget: str | None = None
     budget_bytes: int = 0
     budget_dir: str | None = None  # where budgets live (None: kvcached.budget.budget_dir(); tests)
+    # KVCACHED_MIN_KV_CACHE_MB: the least this engine yields down to on a shared budget, and what
+    # it waits for when it starts on a full one (at least its padding page), for at most
+    # join_wait_s seconds (KVCACHED_JOIN_WAIT_S; Budget.join).
+    min_kv_cache_bytes: int = 0
+    join_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.journal_path is not None and self.journal_service is not None:
@@ -156,10 +161,15 @@ class SglangEngine:
             clock_base_unix=time.time() if config.clock else 0.0,
         )
         self.budget: Budget | None = None
+        page_cost = g.page_bytes * g.regions
+        # The pages it yields down to: KVCACHED_MIN_KV_CACHE_MB's, and the padding page at least.
+        self.floor_pages = max(1, -(-config.min_kv_cache_bytes // page_cost))
         if config.budget is not None:
             self.budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
         self.service: BackgroundService | None = None
         try:
+            if self.budget is not None:
+                self.budget.join(self.floor_pages * page_cost, config.join_wait_s)
             if config.journal_service is not None:
                 self.service = BackgroundService.start(header, config.journal_service)
                 self.recorder = Recorder(Ledger(header), sink=self.service.producer)
@@ -201,7 +211,9 @@ class SglangEngine:
                 backend=self.backend.kind,
                 page_size=g.page_bytes,
             )
-            control = SglangControl(self.manager, self.budget, info, g.page_bytes * g.regions, self.page_size)
+            control = SglangControl(
+                self.manager, self.budget, info, page_cost, self.page_size, floor_pages=self.floor_pages
+            )
             self.control = control
             self.service.service.control = control
             self.bridge.on_step = control.apply  # kvctl's limit, applied on the scheduler's thread

@@ -40,6 +40,8 @@ def config_from(settings: Settings) -> SglangConfig:
         clock=True,
         budget=settings.budget,
         budget_bytes=settings.budget_bytes,
+        min_kv_cache_bytes=settings.min_kv_cache_bytes,
+        join_wait_s=settings.join_wait_s,
     )
 
 

@@ -41,6 +41,9 @@ class Control:
     def set_limit(self, size: int | None) -> messages.MemoryStatus:
         raise NotImplementedError
 
+    def tick(self) -> None:
+        pass  # no budget
+
 
 def _engine(
     folder: Path, index: int, api_pid: int, *, budget: messages.BudgetStatus | None = None

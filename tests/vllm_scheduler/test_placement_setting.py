@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from kvcached.kv_cache_manager import Placement  # noqa: E402
+from kvcached.kv_cache_manager import KVGeometry, Placement  # noqa: E402
 from kvcached.settings import Settings  # noqa: E402
 from kvcached.vllm.engine_core import served  # noqa: E402
 from kvcached.vllm.engine_core.engine import EngineConfig  # noqa: E402
@@ -31,7 +31,8 @@ def test_the_setting_reaches_the_engine_config(env: dict[str, str], rule: Placem
         seen["config"] = config
         raise Stop
 
-    plan, page = type("Plan", (), {"geometry": None})(), type("Page", (), {"chosen": False})()
+    geometry = KVGeometry(num_blocks=32, block_bytes=1 << 18, page_bytes=1 << 20)  # the floor is read off it
+    plan, page = type("Plan", (), {"geometry": geometry})(), type("Page", (), {"chosen": False})()
     monkeypatch.setattr(served, "plan_page", lambda *a, **k: (plan, page))
     monkeypatch.setattr("kvcached.vllm.engine_core.step_sender.decision_backends", lambda *a, **k: ([], None))
     monkeypatch.setattr(served, "assemble", capture)

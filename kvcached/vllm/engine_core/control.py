@@ -79,6 +79,22 @@ class LiveControl:
             wake()  # pages emptied now may wait for a build, decisions for a step
         return status
 
+    def tick(self) -> None:
+        """Give back toward other engines' claims on the budget, down to the floor, and stop
+        once nothing is asked (the ledger service calls it every ``TICK_S``, busy or idle)."""
+        engine, budget = self.engine, self.engine.budget
+        if budget is None or engine.manager is None:
+            return
+        cap = budget.yield_cap(self.page_cost, self.floor_pages)
+        with self.lock:
+            changed = engine.yield_to(cap)
+            if changed and not engine.offloading:
+                engine.bridge.close_build()
+                engine.drain()
+        wake = engine.wake
+        if changed and wake is not None:
+            wake()  # pages emptied now wait for a build, decisions for a step
+
     def _status(self) -> MemoryStatus:
         manager = self.engine.manager
         if manager is None:

@@ -86,6 +86,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Build boundaries carry the time (kvreplay show --at): a served engine's do. Off elsewhere,
     # because a scenario or a kvsim seed must give the same journal bytes on every run.
     clock: bool = False
+    # Under a budget: the pages this engine waits for before it starts (its floor, kvctl limit's),
+    # claimed from the others for at most join_wait_s seconds (Budget.join); 0: none.
+    join_floor_pages: int = 0
+    join_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.journal_path is not None and self.journal_service is not None:
@@ -206,6 +210,16 @@ class Engine:
         pool.shrink()
         return manager.state()
 
+    def yield_to(self, cap: int | None) -> bool:
+        """Keep at most ``cap`` pages while another engine waits for the budget (None: no cap):
+        as a lowered limit, the reserve goes and cached blocks are evicted by page. Returns
+        whether the limit changed. Not thread-safe, as ``set_limit_bytes``."""
+        manager, pool = self._paged()
+        if not manager.allocator.yield_to(cap):
+            return False
+        pool.shrink()
+        return True
+
     def memory(self) -> AllocatorState:
         """Pages and bytes mapped, in use, reserved, the limit; what a pending shrink waits on."""
         return self._paged()[0].state()
@@ -269,6 +283,11 @@ def header_for(scheduler: Any, geometry: KVGeometry, policy: Policy, *, clock: b
     )
 
 
+def page_cost_of(geometry: KVGeometry, backends: Sequence[Backend]) -> int:
+    """What one logical page costs: its bytes in every region of every backend (rank)."""
+    return geometry.page_bytes * geometry.regions * max(1, len(backends))
+
+
 def engine_of(scheduler: Any) -> Engine | None:
     """The engine ``assemble`` put under ``scheduler``, if any: the one accessor of that state."""
     engine = scheduler.__dict__.get(ENGINE_ATTR)
@@ -298,11 +317,23 @@ def assemble(
         raise ConfigError("engine: a page-aware pool needs at least one backend")
     check_targets(scheduler, page_aware=config.page_aware)
     header = header_for(scheduler, geometry, config.policy, clock=config.clock)
-    page_cost = geometry.page_bytes * geometry.regions * max(1, len(backends))
+    page_cost = page_cost_of(geometry, backends)
     lo, hi = config.reserve_pages(page_cost)
     budget = None
     if config.budget is not None:
         budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
+        if config.join_floor_pages:
+            try:
+                waited = budget.join(config.join_floor_pages * page_cost, config.join_wait_s)
+            except BaseException:
+                budget.close()
+                raise
+            if waited >= 1.0:
+                log.info(
+                    "[kvcached] budget %s: waited %.1f s for the others to give back this engine's floor",
+                    config.budget,
+                    waited,
+                )
     # NOTE: with a page log the backends only decide; the workers unmap when the batch reaches
     # them, so the budget gets an unmap's bytes back then (step_channel's module docstring).
     deferred = DeferredRelease(budget, page_log) if budget is not None and page_log is not None else None

@@ -30,7 +30,7 @@ from ...version import KVCACHED_VERSION
 from .. import patches
 from ..kv_layout import plan_page
 from . import control, ranks, step_sender
-from .engine import Engine, EngineConfig, assemble
+from .engine import Engine, EngineConfig, assemble, page_cost_of
 
 log = logging.getLogger("vllm.kvcached")
 
@@ -51,6 +51,8 @@ def build(scheduler: Any, settings: Settings) -> Engine:
     index, count = ranks.engine_index(scheduler), ranks.data_parallel_size(scheduler)
     socket = ranks.rank_path(default_socket_path(), index, count)
     journal = ranks.rank_path(settings.journal, index, count) if settings.journal else None
+    page_cost = page_cost_of(geometry, backends)
+    floor = control.request_floor(scheduler, geometry.blocks_per_page, page_cost, settings.min_kv_cache_bytes)
     config = EngineConfig(
         policy=settings.policy,
         min_reserved_pages=settings.min_reserved_pages,
@@ -62,6 +64,8 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         budget_bytes=settings.budget_bytes,
         placement=Placement(settings.placement),
         clock=True,
+        join_floor_pages=floor[0],
+        join_wait_s=settings.join_wait_s,
     )
     engine = assemble(scheduler, geometry, backends, config, page_log=page_log)
     slow = compiled_status()
@@ -70,7 +74,6 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         versions={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
         backend=backends[0].kind, page_size=geometry.page_bytes, compiled=slow is None,
     )
-    floor = control.request_floor(scheduler, geometry.blocks_per_page, engine.page_bytes, settings.min_kv_cache_bytes)
     live = control.LiveControl(engine, info, engine.page_bytes, floor)
     engine.control = live
     if engine.service is not None:
@@ -93,7 +96,7 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         "on" if engine.offloading else "off",
         socket,
         flight,
-        engine.describe_reserve(),
+        "; ".join((engine.describe_reserve(), *settings.notes)),
         settings.budget or "none",
         plan.describe(),
         ", ".join(patches.installed()) or "nothing process-wide",
