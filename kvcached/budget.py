@@ -412,11 +412,12 @@ class Budget:
 
     def join(self, nbytes: int, wait: float, *, poll: float = 0.1) -> float:
         """Wait until this engine could be granted ``nbytes`` (capped at the budget's size), for
-        at most ``wait`` seconds; returns the seconds waited. Meanwhile the bytes are claimed:
+        at most ``wait`` seconds; returns the seconds waited (0.0 exactly: it had room at once). Meanwhile the bytes are claimed:
         no other engine is granted them, and engines that hold more than their floor give back
         toward them (``asked``, which their controls read). Raises ``BudgetError`` in one line
         at the bound, naming what holds the budget. ``kvcached.budget``'s docstring: why."""
         t0 = time.monotonic()
+        claimed = False
         while True:
             with self._files.locked(reclaim=True) as state:
                 want = 0 if state.size is None else min(nbytes, state.size)
@@ -426,7 +427,8 @@ class Budget:
                     self._files.write(self._with_claim(state, claim))
             waited = time.monotonic() - t0
             if claim == 0:
-                return waited
+                return waited if claimed else 0.0
+            claimed = True
             if waited >= wait:
                 self._set_claim(0)
                 raise BudgetError(

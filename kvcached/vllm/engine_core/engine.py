@@ -328,9 +328,9 @@ def assemble(
             except BaseException:
                 budget.close()
                 raise
-            if waited >= 1.0:
+            if waited:
                 log.info(
-                    "[kvcached] budget %s: waited %.1f s for the others to give back this engine's floor",
+                    "[kvcached] budget %s: waited %.2f s for the others to give back this engine's floor",
                     config.budget,
                     waited,
                 )
