@@ -414,8 +414,9 @@ class Budget:
         """Wait until this engine could be granted ``nbytes`` (capped at the budget's size), for
         at most ``wait`` seconds; returns the seconds waited (0.0 exactly: it had room at once).
         Meanwhile the bytes are claimed: no other engine is granted them, and engines that hold
-        more than their floor give back toward them (``asked``, which their controls read). Raises ``BudgetError`` in one line
-        at the bound, naming what holds the budget. ``kvcached.budget``'s docstring: why."""
+        more than their floor give back toward them (``asked``, which their controls read).
+        Raises ``BudgetError`` in one line at the bound, naming what holds the budget.
+        ``kvcached.budget``'s docstring says why."""
         t0 = time.monotonic()
         claimed = False
         while True:
