@@ -21,6 +21,14 @@ from kvcached.ledger import ledger as _ledger
 COMPILED = _ledger.__file__.endswith((".so", ".pyd"))
 
 
+@pytest.fixture
+def bdir(tmp_path: Path) -> str:
+    """A directory for budgets, as kvcached.budget wants one: this user's, mode 0700."""
+    d = tmp_path / "budgets"
+    d.mkdir(mode=0o700)
+    return str(d)
+
+
 def pytest_report_header() -> str:
     return f"kvcached ledger: {'compiled (mypyc)' if COMPILED else 'pure Python'} from {_ledger.__file__}"
 

@@ -79,13 +79,6 @@ class Child:
             self.p.wait(timeout=30)
 
 
-@pytest.fixture
-def bdir(tmp_path):
-    d = tmp_path / "budgets"
-    d.mkdir(mode=0o700)
-    return str(d)
-
-
 def test_two_processes_share_a_budget(bdir) -> None:
     me = Budget.open("gpu0", 10 * MiB, directory=bdir)
     other = Child("gpu0", bdir)

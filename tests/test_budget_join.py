@@ -26,13 +26,6 @@ PAGE = 1 << 20
 BOUND_S = 120.0  # generous: a wait for a condition, not a timing
 
 
-@pytest.fixture
-def bdir(tmp_path):
-    d = tmp_path / "budgets"
-    d.mkdir(mode=0o700)
-    return str(d)
-
-
 def manager(budget: Budget, **kw: int) -> KVCacheManager:
     geo = KVGeometry(num_blocks=32, block_bytes=PAGE // 4, page_bytes=PAGE)  # 8 pages of 4 blocks
     return KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE), budget=budget, **kw)  # type: ignore[arg-type]

@@ -15,10 +15,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any
 
 import msgspec
-import pytest
 
 from kvcached.budget import _IN_PLACE, Budget, BudgetFile, budget_usage
 
@@ -65,13 +63,6 @@ RACER = textwrap.dedent(
     print(worst, got, flush=True)
     """
 )
-
-
-@pytest.fixture
-def bdir(tmp_path: Any) -> str:
-    d = tmp_path / "budgets"
-    d.mkdir(mode=0o700)
-    return str(d)
 
 
 def test_engines_racing_never_take_the_budget_over_its_size(bdir: str) -> None:
