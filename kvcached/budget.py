@@ -310,6 +310,11 @@ class _Files:
         finally:
             fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
 
+    def read_locked(self) -> BudgetFile:
+        """The state as it is, read under the lock and not reclaimed (a read, no change)."""
+        with self.locked(reclaim=False) as state:
+            return state
+
     def reclaim(self, state: BudgetFile) -> BudgetFile:
         """``state`` without the shares of dead processes (written if any went); under the lock.
 
@@ -452,8 +457,7 @@ class Budget:
     def asked(self) -> int:
         """Bytes other engines wait for beyond what is free: what engines over their floor are
         asked to give back (each engine reads the same figure; 0 when nobody waits)."""
-        with self._files.locked(reclaim=False) as state:
-            pass
+        state = self._files.read_locked()
         claimed = state.claimed_by_others(self._mine)
         if not claimed or state.size is None:
             return 0
@@ -506,9 +510,7 @@ class Budget:
 def _usage(name: str, files: _Files) -> BudgetUsage:
     """Read, not reclaimed: a dead engine shows as such (its bytes are not counted as used, and
     the next change drops its share)."""
-    with files.locked(reclaim=False) as state:
-        pass
-    return _usage_of(name, state)
+    return _usage_of(name, files.read_locked())
 
 
 def _holders(state: BudgetFile, mine: Callable[[Share], bool]) -> str:
