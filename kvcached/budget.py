@@ -494,6 +494,12 @@ class Budget:
         cached as it was when every free-block count read it."""
         return self.usage().headroom
 
+    def room(self) -> int | None:
+        """Bytes this engine could be granted now (None: unbounded), read and not taken: a count
+        that no map follows (a report) asks this rather than leasing."""
+        state = self._files.read_locked()
+        return None if state.size is None else self._room(state)
+
     def usage(self) -> BudgetUsage:
         return _usage(self.name, self._files)
 

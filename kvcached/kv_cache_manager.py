@@ -258,11 +258,17 @@ class KVCacheManager:
             self._counted_at = alloc.changes
         return min(self._partial_free + self._page_blocks, self._num_blocks - self.num_allocated)
 
-    def _count_page_blocks(self) -> int:
+    def available_unleased(self) -> int:
+        """``available_size`` for a report that no ``alloc`` follows (SGLang's stats and idle
+        checks, every turn of its event loop): the budget's room is read, not leased, so that
+        counting leaves the room to the other engines (and costs no write)."""
+        return min(self._partial_free + self._count_page_blocks(lease=False), self._num_blocks - self.num_allocated)
+
+    def _count_page_blocks(self, *, lease: bool = True) -> int:
         """Blocks on the pages the allocator can hand out now: what ``available_size`` caches."""
-        pages = self.allocator.pages_available()
+        pages = self.allocator.pages_available(lease=lease)
         blocks = pages * self._bpp
-        if pages and self._short and self.allocator.hands_out(self._last_page):
+        if pages and self._short and self.allocator.hands_out(self._last_page, lease=lease):
             blocks -= self._short  # the last page holds fewer blocks than the others
         return blocks
 

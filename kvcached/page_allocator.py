@@ -117,6 +117,7 @@ class PageBudget(Protocol):
     # processes carry out (the engine core's: ``step_channel.DeferredRelease``).
     def release_unmapped(self, nbytes: int) -> None: ...
     def headroom(self) -> int | None: ...
+    def room(self) -> int | None: ...
 
 
 class PageMapper(Protocol):
@@ -210,15 +211,23 @@ class PageAllocator:
         (SGLang's tree) evicts for them."""
         return max(0, len(self._in_use) - self.limit)
 
-    def pages_available(self) -> int:
-        """Pages that ``alloc_page`` can hand out now without exceeding the limit."""
+    def pages_available(self, *, lease: bool = True) -> int:
+        """Pages that ``alloc_page`` can hand out now without exceeding the limit. ``lease=False``:
+        counted for a report, with no map to follow, so the budget's room is read, not leased."""
         if self.shrinking:
             # No new page is mapped, and pages the ledger lets go are kept for the shrink; but a
             # reserved page that pins keep mapped anyway stays in service. Refusing it could
             # deadlock: the pins may belong to a request that only lets go once it runs again
             # (review comment P2 on kvcached PR #598: window holds of a preempted request).
             return len(self._reserved) - len(self._goable)
-        return len(self._reserved) + min(len(self._free), self.limit - self.mapped, self._budget_pages())
+        grow = self._budget_pages() if lease else self._budget_room()
+        return len(self._reserved) + min(len(self._free), self.limit - self.mapped, grow)
+
+    def _budget_room(self) -> int:
+        """Pages beyond the mapped ones the budget would let this allocator map, read and not
+        taken: what is leased already and the budget's room (every page without a budget)."""
+        room = None if self.budget is None else self.budget.room()
+        return self.num_pages if room is None else self._leased + room // self.page_cost
 
     def _budget_pages(self) -> int:
         """Pages beyond the mapped ones that maps may use now: leased as the count is made (every
@@ -254,7 +263,7 @@ class PageAllocator:
             self.changes += 1
             self.budget.release(n * self.page_cost)
 
-    def hands_out(self, page: int) -> bool:
+    def hands_out(self, page: int, *, lease: bool = True) -> bool:
         """Whether ``page`` is one of the ``pages_available()`` pages that ``alloc_page`` would
         hand out now. The manager asks for the pool's last page, which holds fewer blocks when
         the block count is not a multiple of blocks per page: counting it as a full page made
@@ -266,7 +275,8 @@ class PageAllocator:
         # A free page (neither reserved nor in use) is mapped lowest first: the highest one is
         # among those available only when every free page is.
         n = len(self._free)
-        return page not in self._in_use and self.limit - self.mapped >= n and self._budget_pages() >= n
+        grow = self._budget_pages() if lease else self._budget_room()
+        return page not in self._in_use and self.limit - self.mapped >= n and grow >= n
 
     # --- handing pages out and taking them back -----------------------------------------------
 

@@ -304,6 +304,9 @@ class CountingBudget:
     def headroom(self) -> int | None:
         return self.budget.headroom()
 
+    def room(self) -> int | None:
+        return self.budget.room()
+
 
 def test_pages_that_go_together_are_given_back_in_one_budget_change(bdir) -> None:
     """Issue 30: a shrink gave each page back with its own locked rewrite of the budget's file."""

@@ -238,13 +238,14 @@ class SglangEngine:
 
     def available_blocks(self) -> int:
         """The allocators' ``available_size``, in blocks."""
-        n = self.manager.available_size()
         if not self.bridge.scheduling:
-            # Counted outside a step (SGLang's idle checks and stats, every loop turn): no
-            # allocation follows, so the room the count leased goes back at once. Held until the
-            # next step, an idle engine would keep the whole budget's room from the others.
-            self.manager.drain_releasable()
-        return n
+            # NOTE: counted outside a step (SGLang's stats and idle checks, on every turn of its
+            # event loop, hundreds a second while idle): no allocation follows, so the budget's
+            # room is read, not leased. Leased and given back at once, the room was taken and
+            # returned some 800 times a second by an idle engine, and a neighbour counting in
+            # between saw the budget full and reused its own cache rather than grow.
+            return self.manager.available_unleased()
+        return self.manager.available_size()
 
     def alloc_blocks(self, n: int) -> list[int] | None:
         """``n`` blocks for the allocators, or None (SGLang's answer when the pool is short)."""

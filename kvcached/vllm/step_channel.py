@@ -128,6 +128,9 @@ class DeferredRelease:
     def headroom(self) -> int | None:
         return self.budget.headroom()
 
+    def room(self) -> int | None:
+        return self.budget.room()
+
     def release_applied(self, seq: int) -> int:
         """Batch ``seq`` and those before it were applied by every worker: give back what their
         unmaps kept; returns the bytes."""

@@ -63,17 +63,29 @@ def test_a_limit_bounds_what_the_allocator_hands_out(stacks) -> None:
     assert stack.allocator.available_size() == 511
 
 
-def test_an_engine_counting_between_steps_leases_nothing(tmp_path, stacks) -> None:
+def test_an_engine_counting_between_steps_leases_nothing(tmp_path, stacks, monkeypatch) -> None:
     """SGLang asks ``available_size`` on every turn of its event loop, idle or not (its idle
     checks, its stats): a lease each count took and kept to the next step would hold the whole
-    room of the budget an idle engine could map, so another engine could map none of it."""
+    room of the budget an idle engine could map, so another engine could map none of it. Nor
+    may a count take the room even for a moment: an idle SGLang counts hundreds of times a
+    second, and a neighbour counting while the room was leased saw the budget full (in
+    ``tests/serve/test_mixed_budget_e2e.py``, vLLM then reused its own cache rather than grow)."""
     budget = {"budget": "between", "budget_bytes": 4 * PAGE_COST, "budget_dir": str(tmp_path)}
     idle = HiCacheStack(msgspec.structs.replace(config(Policy.LEDGER), **budget))
     stacks.append(idle)
     idle.step()
+    shared = idle.engine.budget
+    assert shared is not None
+    taken: list[int] = []
+    acquire = shared.acquire_up_to
+    monkeypatch.setattr(shared, "acquire_up_to", lambda n, unit: taken.append(n) or acquire(n, unit))
     assert idle.allocator.available_size() == 4 * 64 - 1  # what it could map: the whole budget
-    assert idle.engine.budget is not None
-    assert idle.engine.budget.usage().used == PAGE_COST, "the count kept its lease: only the padding page is mapped"
+    assert taken == [], "a count no allocation follows took the budget's room"
+    assert shared.usage().used == PAGE_COST, "the count kept its lease: only the padding page is mapped"
+    other = HiCacheStack(msgspec.structs.replace(config(Policy.LEDGER), **budget))
+    stacks.append(other)
+    other.step()  # it maps its padding page: the idle engine's count sees the room shrink
+    assert idle.allocator.available_size() == 3 * 64 - 1
 
 
 def test_counts_within_a_step_hold_their_lease_until_its_end(tmp_path, stacks) -> None:
