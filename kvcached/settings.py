@@ -254,6 +254,14 @@ JOIN_WAIT: Final = Var(
     high=86_400,
     hint="a whole number of seconds up to 86,400 (120 by default; 0: refuse at once on a full budget)",
 )
+# A vLLM or SGLang release newer than the newest kvcached was tested on serves, with a warning,
+# where every patch target is there; this refuses it instead (a fleet that pins what it runs).
+STRICT_VERSIONS: Final = Var(
+    name="KVCACHED_STRICT_VERSIONS",
+    kind="flag",
+    default="0",
+    hint="1 to refuse an engine release kvcached was not tested on, 0 (or unset) to serve it with a warning",
+)
 SETTINGS: Final = (
     ENABLE,
     PAGE_SIZE,
@@ -277,6 +285,7 @@ SETTINGS: Final = (
     MIN_KV_CACHE,
     PLACEMENT,
     JOIN_WAIT,
+    STRICT_VERSIONS,
 )
 
 # Read elsewhere, so known: the live view's socket (service/live.py), the key the plugin hands its
@@ -380,6 +389,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     min_kv_cache_bytes: int = 0  # KVCACHED_MIN_KV_CACHE_MB: the least a limit may be, beside one request
     placement: str = "whole-pages"  # KVCACHED_PLACEMENT: a kv_cache_manager.Placement value
     join_wait_s: int = 120  # KVCACHED_JOIN_WAIT_S
+    strict_versions: bool = False  # KVCACHED_STRICT_VERSIONS
     # What from_env changed of a default to fit a value the user gave, one phrase each, for the
     # startup line ("min reserved pages 2 (default 5 lowered to the given max)"); () if nothing.
     notes: tuple[str, ...] = ()
@@ -419,6 +429,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             min_kv_cache_bytes=_count(e, MIN_KV_CACHE),
             placement=_text(e, PLACEMENT),
             join_wait_s=_count(e, JOIN_WAIT),
+            strict_versions=_flag(e, STRICT_VERSIONS),
             notes=notes,
         )
         if s.budget is not None and not BUDGET_NAME.fullmatch(s.budget):

@@ -43,8 +43,31 @@ SENTINEL: Final = "__kvcached_patch__"
 # vLLM's connector factory takes ``kv_connector`` from this module when the config names it
 # (``kv_connector_module_path``): kvcached's OffloadingConnector, vLLM's under the same name.
 CONNECTOR_MODULE: Final = "kvcached.vllm.engine_core.connector"
-# The vLLM releases every target below was read in and tested on (the API server refuses others).
-KNOWN: Final = ("0.32.0", "0.33.0")
+# The vLLM releases every target below was read in and tested on, oldest first. The API server
+# refuses an older one; a newer one serves, with a warning, where every target it needs is there
+# (``api_server.checks.check_vllm_version``).
+TESTED: Final = ("0.32.0", "0.33.0", "0.34.0")
+OLDEST: Final = TESTED[0]
+NEWEST: Final = TESTED[-1]
+
+
+def release(version: str) -> tuple[int, int, int]:
+    """``"0.34.0+cpu"`` -> ``(0, 34, 0)``: the release a version string names (a local or a
+    pre-release suffix is that release); ``ConfigError`` for what names none."""
+    base = version.split("+")[0]
+    parts = []
+    for piece in base.split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            raise ConfigError(f"kvcached cannot read vLLM's version {version!r} (not like 0.34.0)")
+        parts.append(int(digits))
+    while len(parts) < 3:
+        parts.append(0)
+    return (parts[0], parts[1], parts[2])
 
 
 class When(enum.Enum):
@@ -75,11 +98,28 @@ class Patch(msgspec.Struct, frozen=True, kw_only=True):
     how: How
     when: When
     why: str  # the vLLM function or upstream change it relies on
-    versions: tuple[str, ...] = KNOWN
+    # The releases the target holds for: from ``since`` up to, not including, ``until`` (None:
+    # still there in the newest tested). A target that moved is two rows, one range each, as
+    # upstream kvcached's ``version_range``; which one applies is read here, not in the code.
+    since: str = OLDEST
+    until: str | None = None
     optional: bool = False  # a target some vLLM builds lack: skipped there, not refused
     loaded_only: bool = False  # changed only in a process that has imported the module already
     # ``module:function`` making a process-wide replacement: ``factory(original, context)``.
     factory: str | None = None
+
+    def holds_for(self, version: str) -> bool:
+        r = release(version)
+        return release(self.since) <= r and (self.until is None or r < release(self.until))
+
+    @property
+    def range(self) -> str:
+        """``0.32.0 to 0.33.x`` or ``0.34.0 on``: what a refusal names."""
+        if self.until is None:
+            return f"{self.since} on"
+        u = release(self.until)
+        last = f"{u[0]}.{u[1] - 1}.x" if u[2] == 0 and u[1] else self.until
+        return f"{self.since} to {last}"
 
     def targets(self) -> list[str]:
         where = f"{self.module}.{self.owner}" if self.owner else self.module
@@ -143,17 +183,25 @@ PATCHES: Final = (
     # --- worker ------------------------------------------------------------------------------
     Patch(
         name="KV cache on kvcached pages", process="worker", module="vllm.v1.worker.utils", owner=None,
-        attrs=("allocate_kv_cache",), how=How.WRAPPED, when=When.PLUGIN_LOAD,
+        attrs=("allocate_kv_cache",), how=How.WRAPPED, when=When.PLUGIN_LOAD, until="0.34.0",
         why="allocate_kv_cache makes the worker's KV tensors (one buffer cut by create_kv_cache_views); "
         "kvcached returns the same views over its own range",
         factory="kvcached.vllm.worker.hooks:wrap_allocate_kv_cache",
     ),
     Patch(
+        name="KV cache on kvcached pages (allocate=)", process="worker", module="vllm.v1.worker.utils",
+        owner=None, attrs=("allocate_kv_cache",), how=How.WRAPPED, when=When.PLUGIN_LOAD, since="0.34.0",
+        why="from vLLM 0.34 the V2 runner's init_kv_cache passes allocate=, the buffer maker that the "
+        "extensible KV cache (vllm/v1/worker/extensible_kv_cache.py) replaces; kvcached turns that cache "
+        "off at startup, so only vLLM's plain maker (None) is served and any other is refused",
+        factory="kvcached.vllm.worker.hooks:wrap_allocate_kv_cache_with_allocate",
+    ),
+    Patch(
         name="KV cache on kvcached pages (V1 runner's import)", process="worker",
         module="vllm.v1.worker.gpu_model_runner", owner=None, attrs=("allocate_kv_cache",), how=How.WRAPPED,
-        when=When.PLUGIN_LOAD, optional=True, loaded_only=True,
+        when=When.PLUGIN_LOAD, optional=True, loaded_only=True, until="0.34.0",
         why="GPUModelRunner imports allocate_kv_cache by name; a runner module loaded before the plugin "
-        "holds vLLM's function, so its name is rebound too",
+        "holds vLLM's function, so its name is rebound too (the V1 runner is gone in vLLM 0.34)",
         factory="kvcached.vllm.worker.hooks:rebind_allocate_kv_cache",
     ),
     Patch(
@@ -166,17 +214,25 @@ PATCHES: Final = (
     Patch(
         name="page decisions applied before each step", process="worker",
         module="vllm.v1.worker.gpu_model_runner", owner="GPUModelRunner", attrs=("execute_model",),
-        how=How.WRAPPED, when=When.KV_ALLOCATION, loaded_only=True,
+        how=How.WRAPPED, when=When.KV_ALLOCATION, loaded_only=True, until="0.34.0",
         why="GPUModelRunner.execute_model is where every executor's worker path ends (Ray's "
         "execute_model_ray included; the CPU build's CPUModelRunner subclasses it): the step's "
         "SchedulerOutput carries the scheduler's page decisions, applied before the forward",
         factory="kvcached.vllm.worker.step_receiver:wrap_execute_model",
     ),
     Patch(
+        name="page decisions applied before each step (V2 runner, opt-in)", process="worker",
+        module="vllm.v1.worker.gpu.model_runner", owner="GPUModelRunner", attrs=("execute_model",),
+        how=How.WRAPPED, when=When.KV_ALLOCATION, optional=True, loaded_only=True, until="0.34.0",
+        why="the V2 model runner's execute_model (VLLM_USE_V2_MODEL_RUNNER=1 before vLLM 0.34)",
+        factory="kvcached.vllm.worker.step_receiver:wrap_execute_model",
+    ),
+    Patch(
         name="page decisions applied before each step (V2 runner)", process="worker",
         module="vllm.v1.worker.gpu.model_runner", owner="GPUModelRunner", attrs=("execute_model",),
-        how=How.WRAPPED, when=When.KV_ALLOCATION, optional=True, loaded_only=True,
-        why="the V2 model runner's execute_model, the same step for vLLM's new runner",
+        how=How.WRAPPED, when=When.KV_ALLOCATION, loaded_only=True, since="0.34.0",
+        why="vLLM 0.34 removed the V1 runner: the V2 runner's execute_model is every worker's step "
+        "(the CPU build's CPUModelRunner in vllm/v1/worker/cpu/ subclasses it)",
         factory="kvcached.vllm.worker.step_receiver:wrap_execute_model",
     ),
     # --- engine core: process-wide -----------------------------------------------------------
@@ -274,10 +330,15 @@ RELIED_ON: Final = (
     ),
     Patch(
         name="block hash field", process="engine core", module="vllm.v1.core.kv_cache_utils",
-        owner="KVCacheBlock", attrs=("_block_hash",), how=How.READ, when=When.ENGINE_BUILD,
+        owner="KVCacheBlock", attrs=("_block_hash",), how=How.READ, when=When.ENGINE_BUILD, until="0.34.0",
         why="the page-aware pool's free_blocks reads the field that KVCacheBlock.block_hash returns, for "
-        "each block a step frees, without the property's call (vLLM 0.32 and 0.33, "
-        "vllm/v1/core/kv_cache_utils.py)",
+        "each block a step frees, without the property's call (vllm/v1/core/kv_cache_utils.py)",
+    ),
+    Patch(
+        name="block hash field (0.34)", process="engine core", module="vllm.v1.core.kv_cache_utils",
+        owner="KVCacheBlock", attrs=("block_hash",), how=How.READ, when=When.ENGINE_BUILD, since="0.34.0",
+        why="vLLM 0.34 made block_hash the dataclass field itself (beside block_hash_num_tokens): the "
+        "page-aware pool's free_blocks reads it",
     ),
 )
 
@@ -291,6 +352,25 @@ def by_name(name: str) -> Patch:
         if p.name == name:
             return p
     raise KeyError(name)
+
+
+def holding(*names: str) -> Patch:
+    """Of the rows ``names`` (one target's forms over the releases), the one for this vLLM."""
+    version = vllm_version()
+    for name in names:
+        p = by_name(name)
+        if _applies(p, version):
+            return p
+    raise PatchError(f"kvcached does not know this vLLM ({version}): none of {', '.join(names)} holds for it")
+
+
+def _applies(patch: Patch, version: str) -> bool:
+    """Whether ``patch``'s range holds ``version``; a version that cannot be read (a stand-in's)
+    is taken as the newest."""
+    try:
+        return patch.holds_for(version)
+    except ConfigError:
+        return patch.until is None
 
 
 def on_cpu() -> bool:
@@ -312,7 +392,8 @@ def vllm_version() -> str:
 def _refusal(patch: Patch, target: str) -> PatchError:
     return PatchError(
         f"kvcached does not know this vLLM ({vllm_version()}): {target} is missing ({patch.name}; known for "
-        f"vLLM {', '.join(patch.versions)}); install one of those or disable kvcached (ENABLE_KVCACHED=0)"
+        f"vLLM {patch.range}, tested on {', '.join(TESTED)}); install one of those or disable kvcached "
+        "(ENABLE_KVCACHED=0)"
     )
 
 
@@ -345,7 +426,10 @@ def check(patches: Iterable[Patch]) -> list[tuple[Patch, Any]]:
     """Every target of ``patches`` (process-wide ones), found or refused; returns (patch, owner)
     for those present, in order. Changes nothing."""
     found = []
+    version = vllm_version()
     for p in patches:
+        if not _applies(p, version):
+            continue
         owner = _owner(p)
         if owner is None:
             continue

@@ -29,22 +29,43 @@ from typing import Any
 from ...backends import cuda_visible
 from ...errors import ConfigError
 from ...settings import Settings, ignored_settings, unknown_settings
+from .. import patches
 from ..patches import CONNECTOR_MODULE
 
 log = logging.getLogger("vllm.kvcached")  # the plugin's logger: vLLM's format and handlers
 
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 SUPPORTED_EXECUTORS = ("mp", "uni", "ray")
 OUR_SPEC = ("KvcachedCPUOffloadingSpec", "kvcached.vllm.offload.cpu")
 
 
-def check_vllm_version(version: str) -> None:
-    base = version.split("+")[0]
-    if base not in SUPPORTED_VLLM:
+def tested(version: str) -> bool:
+    """Whether ``version`` is a release kvcached was tested on (``patches.TESTED``)."""
+    return ".".join(map(str, patches.release(version))) in patches.TESTED
+
+
+def check_vllm_version(version: str, *, strict: bool = False) -> str | None:
+    """Refuse a vLLM older than the oldest tested, and under ``strict``
+    (``KVCACHED_STRICT_VERSIONS=1``) any untested one; for an untested one otherwise, the
+    warning to log (its patch targets are checked where they are installed: a missing one is
+    refused there in one line). None: a tested release."""
+    known = f"{patches.OLDEST} to {patches.NEWEST} (tested: {', '.join(patches.TESTED)})"
+    r = patches.release(version)
+    if r < patches.release(patches.OLDEST):
         raise ConfigError(
-            f"kvcached supports vLLM {' and '.join(SUPPORTED_VLLM)} (the CPU build 0.32.0); this is {version}: "
-            "install one of those or disable kvcached (ENABLE_KVCACHED=0)"
+            f"kvcached supports vLLM {known}; this is {version}: install one of those or disable kvcached "
+            "(ENABLE_KVCACHED=0)"
         )
+    if tested(version):
+        return None
+    if strict:
+        raise ConfigError(
+            f"kvcached was not tested on vLLM {version} and KVCACHED_STRICT_VERSIONS=1: install one of "
+            f"{', '.join(patches.TESTED)}, or unset KVCACHED_STRICT_VERSIONS"
+        )
+    return (
+        f"vLLM {version} is newer than kvcached was tested on (newest: {patches.NEWEST}); every patch target "
+        "is checked as it is installed (KVCACHED_STRICT_VERSIONS=1 refuses untested releases)"
+    )
 
 
 def check_config(
@@ -56,7 +77,9 @@ def check_config(
     e = os.environ if env is None else env
     for warning in [*unknown_settings(e), *ignored_settings("vllm", e)]:
         log.warning("[kvcached] %s", warning)
-    check_vllm_version(version)
+    untested = check_vllm_version(version, strict=settings.strict_versions)
+    if untested is not None:
+        log.warning("[kvcached] %s", untested)
     par = vllm_config.parallel_config
     if int(par.pipeline_parallel_size) > 1:
         _check_pipeline(vllm_config, on_cpu=on_cpu)

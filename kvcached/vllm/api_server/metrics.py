@@ -37,8 +37,10 @@ import os
 from collections.abc import Iterator
 from typing import Any, Final
 
+from ...errors import ConfigError
 from ...ledger.findings import INVARIANTS
 from ...service import live, messages
+from .checks import tested
 
 log = logging.getLogger("vllm.kvcached")
 
@@ -52,7 +54,8 @@ PAGE_STATES: Final = ("in_use", "pinned", "reserved", "unmapped")
 # have only ``budget``: a budget is shared by engines). Counters are exposed with ``_total``.
 SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "info": ("gauge", "1 per engine: kvcached's version and setup, the engine core's pid and socket",
-             ("version", "policy", "backend", "page_bytes", "compiled", "pid", "socket", "budget")),
+             ("version", "policy", "backend", "page_bytes", "compiled", "pid", "socket", "budget", "vllm_version",
+              "tested")),
     "engine_up": ("gauge", "1 while the engine core's ledger service answers, 0 once it stops", ()),
     "memory_limit_bytes": ("gauge", "The engine's KV memory limit (kvctl limit)", ()),
     "capacity_bytes": ("gauge", "The KV memory vLLM sized its block table for (virtual)", ()),
@@ -71,6 +74,14 @@ SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "budget_size_bytes": ("gauge", "A shared budget's size (absent: unbounded)", ()),
     "budget_used_bytes": ("gauge", "Bytes granted to every engine on a budget", ()),
 }
+
+
+def _tested(version: str) -> bool:
+    """Whether the engine's vLLM is a release kvcached was tested on (an unreadable one is not)."""
+    try:
+        return tested(version)
+    except ConfigError:
+        return False
 
 
 def exposed_names() -> set[str]:
@@ -174,7 +185,8 @@ class Collector:
         for eng, st in self.poll():
             lv = [eng.model, str(eng.index)]
             info.add_metric([*lv, eng.kvcached, eng.policy, eng.backend, str(eng.page_size),
-                             "true" if eng.compiled else "false", str(eng.pid), eng.socket, eng.budget or ""], 1)
+                             "true" if eng.compiled else "false", str(eng.pid), eng.socket, eng.budget or "",
+                             eng.vllm, "true" if _tested(eng.vllm) else "false"], 1)
             up.add_metric(lv, 0 if st is None else 1)
             if st is None:
                 continue

@@ -66,9 +66,38 @@ def name_connector(kv_transfer_config: Any) -> None:
         kv_transfer_config.kv_connector_module_path = patches.CONNECTOR_MODULE
 
 
+def take_kv_sizing(engine_args: Any) -> None:
+    """Turn vLLM's extensible KV cache off, and name the memory utilization kvcached sizes with.
+
+    NOTE: vLLM 0.34 (``VllmConfig._resolve_extensible_kv_cache``) turns its extensible KV cache
+    on by default on CUDA: the worker reserves the KV range itself and commits it in one piece
+    after warm-up (``vllm/v1/worker/extensible_kv_cache.py``), passing ``allocate=`` to
+    ``allocate_kv_cache``. Its release is all or nothing and its regrowth discards contents, so
+    kvcached keeps its own per-page mapping and turns vLLM's off rather than building on it. With
+    it on, an unset ``gpu_memory_utilization`` resolves to 1.0 ("this GPU is mine"), the opposite
+    of engines sharing a GPU; with it off, vLLM's own default (0.92) is set here explicitly. A
+    vLLM without the setting (before 0.34) is left as it is."""
+    if not hasattr(engine_args, "enable_extensible_kv_cache"):
+        return
+    if engine_args.enable_extensible_kv_cache:
+        raise ConfigError(
+            "kvcached: --enable-extensible-kv-cache makes vLLM own the KV range kvcached maps page by page: "
+            "drop it, or disable kvcached (ENABLE_KVCACHED=0)"
+        )
+    engine_args.enable_extensible_kv_cache = False
+    if getattr(engine_args, "gpu_memory_utilization", 0.0) is None:
+        from vllm.config import CacheConfig
+
+        engine_args.gpu_memory_utilization = float(getattr(CacheConfig, "DEFAULT_GPU_MEMORY_UTILIZATION", 0.92))
+
+
 def wrap_create_engine_config(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            take_kv_sizing(self)
+        except ConfigError as e:
+            refuse(str(e))
         config = original(self, *args, **kwargs)
         try:
             checks.check_config(config, settings, version=patches.vllm_version(), on_cpu=patches.on_cpu())

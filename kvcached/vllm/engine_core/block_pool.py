@@ -42,6 +42,7 @@ pool, so that the reset comes before the frees it causes).
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -50,6 +51,9 @@ from ...kv_cache_manager import KVCacheManager, OutOfBlocksError
 from .. import patches
 from . import pool_seam
 from .cached_blocks import CachedBlocks
+
+# The rows naming KVCacheBlock's hash field over the releases (``patches.RELIED_ON``).
+HASH_FIELD = ("block hash field", "block hash field (0.34)")
 
 log = logging.getLogger("kvcached.vllm.engine_core")
 
@@ -77,6 +81,8 @@ class PageAwarePool:
         self.evictable = CachedBlocks(manager.page_of, manager.geometry.num_blocks)
         self._orig: dict[str, Callable[..., Any]] = {}
         self._marks = [False] * len(pool.blocks)  # pool_seam.hand_out's scratch, one a block
+        # The block's hash, read as the field itself (its name per release: the patch table).
+        self._hash_of = operator.attrgetter(patches.holding(*HASH_FIELD).attrs[0])
         # While vLLM's own code runs (its reset, its get_new_blocks), it checks its free count
         # against its own queue, which holds every free block, kvcached's or not.
         self._native = False
@@ -142,17 +148,25 @@ class PageAwarePool:
                 self.evictable.move_to_end(b, last=False)
             raise
 
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         blocks = list(ordered_blocks)
         # The ids of this pool's own blocks, read while checking that kvcached holds them: after
         # vLLM's free only their reference counts (and hashes) need reading again. An attribute
         # of vLLM's block is a generic lookup (~240 instructions), and this runs for every block
         # a step frees (hundreds on a prefill-heavy step).
         ids = self._held(blocks, "free_blocks")
-        self._orig["free_blocks"](blocks)
+        # NOTE: evict_first (vLLM 0.34's BlockPool.free_blocks, for blocks another tier holds)
+        # queues cached blocks at the head, to be evicted before the others; vLLM before 0.34
+        # never passes it and its free_blocks does not take it.
+        if evict_first:
+            self._orig["free_blocks"](blocks, evict_first=True)
+        else:
+            self._orig["free_blocks"](blocks)
         pool = self.pool
         caching = bool(pool.enable_caching)  # read once: vLLM sets it at BlockPool.__init__
+        hash_of = self._hash_of
         evictable = self.evictable
+        first: list[int] = []  # cached blocks to evict before the others, in their order
         to_manager: dict[Any, None] = {}  # once each: a block may be listed once per reference
         for k in range(len(blocks)):
             b = ids[k]
@@ -169,10 +183,16 @@ class PageAwarePool:
             # vLLM's free_blocks queues a block with a hash at the tail (evictable, LRU) and one
             # without at the head. Read only when caching, and as the field its ``block_hash``
             # property returns (``RELIED_ON``): the property's call is ~2/3 of this read's cost.
-            if caching and block._block_hash is not None:
-                evictable.add(b)
+            if caching and hash_of(block) is not None:
+                if evict_first:
+                    first.append(b)
+                else:
+                    evictable.add(b)
             else:
                 to_manager[b] = None
+        for b in reversed(first):
+            evictable.add(b)
+            evictable.move_to_end(b, last=False)
         self.manager.free(list(to_manager))
         self._cap_cache()
         if self.manager.allocator.shrinking:
@@ -397,7 +417,7 @@ def install_page_aware_pool(
     patches.check_object(pool, patches.by_name("pool seam"))
     patches.check_object(pool.free_block_queue, patches.by_name("free queue seam"))
     # free_blocks reads it after vLLM's own free has run: a vLLM without it is refused here.
-    patches.check_object(pool.null_block, patches.by_name("block hash field"))
+    patches.check_object(pool.null_block, patches.holding(*HASH_FIELD))
     if pool.num_gpu_blocks != manager.geometry.num_blocks:
         raise ConfigError(
             f"vLLM's block pool has {pool.num_gpu_blocks} blocks, kvcached's manager {manager.geometry.num_blocks}"

@@ -96,13 +96,22 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         "on" if engine.offloading else "off",
         socket,
         flight,
-        "; ".join((engine.describe_reserve(), *settings.notes)),
+        "; ".join((engine.describe_reserve(), *settings.notes, *vllm_sizing(scheduler.cache_config))),
         settings.budget or "none",
         plan.describe(),
         ", ".join(patches.installed()) or "nothing process-wide",
         on_objects,
     )
     return engine
+
+
+def vllm_sizing(cache_config: Any) -> list[str]:
+    """What kvcached set of vLLM's KV sizing, for the active line (``api_server.startup.take_kv_sizing``)."""
+    if not hasattr(cache_config, "enable_extensible_kv_cache"):
+        return []  # before vLLM 0.34: nothing to say
+    state = "off" if not cache_config.enable_extensible_kv_cache else "ON (kvcached refuses its allocate=)"
+    util = getattr(cache_config, "gpu_memory_utilization", None)
+    return [f"vLLM's extensible KV cache {state}, gpu_memory_utilization={util}"]
 
 
 def wrap_scheduler_init(original: Callable[..., Any], settings: Settings) -> Callable[..., Any]:

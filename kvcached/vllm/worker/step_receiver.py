@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...backends.base import Backend
+from ...errors import ConfigError
 from .. import patches
 from ..kv_layout import KVPlan
 from ..step_channel import ATTR, ChannelError
@@ -109,6 +110,16 @@ def install_worker(backend: Backend, plan: KVPlan) -> None:
     global _WORKER
     _WORKER = WorkerPages(backend, plan)
     patches.install(patches.When.KV_ALLOCATION, None)
+    # NOTE: the runner targets are loaded_only (a module this worker has not imported is not
+    # its runner). If none was there, no step would apply the scheduler's page decisions and the
+    # worker would serve on pages the scheduler thinks unmapped: refused instead (vLLM 0.34
+    # removed the V1 runner module; a vLLM that moves the V2 one lands here, not in a bad run).
+    if not any(t.endswith(".execute_model") for t in patches.installed()):
+        raise ConfigError(
+            f"kvcached: no model runner it knows is loaded in this worker (vLLM {patches.vllm_version()}; "
+            "kvcached/vllm/patches.py names the runners' execute_model): nothing would apply its page "
+            "decisions; disable kvcached (ENABLE_KVCACHED=0)"
+        )
 
 
 def wrap_execute_model(original: Callable[..., Any], _context: object) -> Callable[..., Any]:
