@@ -91,6 +91,8 @@ def test_a_store_of_another_requests_block_is_caught(monkeypatch: pytest.MonkeyP
     real_plan = cpu_offload.KvcachedCPUOffloadingWorker.plan
 
     def plan(self: Any, job_id: int, device_spec: Any, host_spec: Any, **kw: Any) -> Any:
+        if not isinstance(device_spec, cpu_offload.GPULoadStoreSpec):  # vLLM 0.34's DevicePointers
+            device_spec = self._spec_of_pointers(job_id, device_spec)
         ids = [int(b) for b in device_spec.block_ids]
         if kw.get("is_store") and ids and ids[0] != 1:
             ids[0] = 1

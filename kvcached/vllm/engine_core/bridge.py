@@ -94,7 +94,10 @@ def _given(so: Any) -> list[_Given]:
     ``scheduled_cached_reqs`` order): all of a new or resumed request's blocks, the appended ones
     of a running request (vLLM's ``Scheduler._make_cached_request_data``)."""
     cached = so.scheduled_cached_reqs
-    resumed = cached.resumed_req_ids
+    # NOTE: vLLM 0.34 re-sends a resumed request in full among scheduled_new_reqs
+    # (Scheduler.schedule: "A resumed request is re-sent in full, like a new one") and dropped
+    # CachedRequestData.resumed_req_ids; before, it was a cached request named there.
+    resumed = getattr(cached, "resumed_req_ids", ())
     out: list[_Given] = [(new.req_id, new.block_ids, True) for new in so.scheduled_new_reqs]
     for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
         if groups:  # None: no block given in this step

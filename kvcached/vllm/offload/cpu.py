@@ -183,7 +183,7 @@ class KvcachedCPUOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused
     ) -> TransferPlan:
         """Resolve vLLM's specs into per-tensor row pairs; raises ValueError on a malformed pair."""
         if not isinstance(device_spec, GPULoadStoreSpec):
-            raise TypeError(f"job {job_id}: device side must be a GPULoadStoreSpec, got {type(device_spec).__name__}")
+            device_spec = self._spec_of_pointers(job_id, device_spec)
         if not isinstance(host_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"job {job_id}: host side must be a block-id spec, got {type(host_spec).__name__}")
         sizes = list(device_spec.group_sizes)
@@ -220,15 +220,44 @@ class KvcachedCPUOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused
             )
         return TransferPlan(job_id, is_store, expedited, device_spec, host_spec, tuple(copies))
 
+    def _spec_of_pointers(self, job_id: int, ptrs: Any) -> GPULoadStoreSpec:
+        """The block-id spec that vLLM 0.34 resolved into ``DevicePointers`` before submitting
+        (``pointer_utils.resolve_device_pointers``: ``base + block_id * row_stride``, per group
+        and data ref, groups without blocks left out): read back from each group's first data
+        ref, so that a plan, its observers and the harness name blocks, not addresses."""
+        if not hasattr(ptrs, "ptrs") or not hasattr(ptrs, "group_block_counts"):
+            raise TypeError(
+                f"job {job_id}: device side must be a GPULoadStoreSpec or DevicePointers, got {type(ptrs).__name__}"
+            )
+        counts = [int(n) for n in ptrs.group_block_counts]
+        if len(counts) != len(self.group_refs):
+            raise ValueError(f"job {job_id}: spec has {len(counts)} KV groups, the worker has {len(self.group_refs)}")
+        addresses = np.asarray(ptrs.ptrs, dtype=np.uint64)
+        ids: list[np.ndarray] = []
+        at = 0
+        for g, n in enumerate(counts):
+            if n == 0:
+                continue
+            t = self.device_tensors[self.group_refs[g][0].tensor_idx]
+            first = addresses[at : at + n].astype(np.int64) - t.data_ptr()
+            stride = int(t.stride(0))  # bytes: the tensor has 1-byte elements (checked at __init__)
+            if first.size != n or (first % stride).any() or first.min() < 0 or first.max() >= t.shape[0] * stride:
+                raise ValueError(f"job {job_id}: group {g}'s device pointers are not rows of its KV tensor")
+            ids.append(first // stride)
+            at += n * int(ptrs.group_data_ref_counts[g])
+        block_ids = np.concatenate(ids).tolist() if ids else []
+        return GPULoadStoreSpec(block_ids, counts, [int(i) for i in ptrs.block_indices])
+
     # --- OffloadingWorker ----------------------------------------------------------------------
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    # NOTE: from vLLM 0.34 the device side arrives as DevicePointers (resolved by the worker
+    # connector at submit time, still after the step that freed the blocks): ``plan`` reads the
+    # block ids back. Before, it was the GPULoadStoreSpec itself.
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
         self._submit(self.plan(job_id, src_spec, dst_spec, is_store=True))
         return True
 
-    def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
-    ) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False) -> bool:
         self._submit(self.plan(job_id, dst_spec, src_spec, is_store=False, expedited=expedited))
         return True
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import json
 import shutil
@@ -64,6 +65,8 @@ from kvcached.vllm.testing.records import FreedBlockCopy, HarnessConfig, LoadChe
 __all__ = ["FreedBlockCopy", "Harness", "HarnessConfig", "KVMemory", "LoadCheck", "LoadMismatch", "StepRecord"]
 
 KVMemory = Callable[[int, int], torch.Tensor]
+# vLLM 0.34 dropped ModelRunnerOutput.req_id_to_index (the positions follow req_ids).
+_INDEXED = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 """``kv_memory(num_blocks, block_bytes)`` -> uint8 tensor of shape (num_blocks, block_bytes)."""
 
 
@@ -450,11 +453,14 @@ class Harness:
         )
         conn.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
+        extra: dict[str, Any] = {}
+        if _INDEXED:  # vLLM before 0.34 also took the request ids' positions
+            extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             kv_connector_output=kvo,
+            **extra,
         )
 
     def _store_positions(self, job_id: int, job: Any) -> tuple[tuple[int, int, int], ...] | None:
