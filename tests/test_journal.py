@@ -42,6 +42,7 @@ from kvcached.ledger.events import (
     Gap,
     Header,
     JobBuilt,
+    JobFailed,
     JobKind,
     JobReported,
     MemoryLimit,
@@ -104,6 +105,7 @@ ALL_EVENTS: list[Event] = [
     Gap(dropped=4),
     JobBuilt(job=4, kind=JobKind.LOAD, req=1, blocks=(tuple(range(3000, 3016)),), workers=1),
     RequestBlocks(req=1, pool=0, fresh=(3000,), shared=(5,)),
+    JobFailed(job=4),
 ]
 BATCHES: list[list[Event]] = [ALL_EVENTS[:5], ALL_EVENTS[5:6], ALL_EVENTS[6:]]
 

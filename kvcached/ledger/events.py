@@ -159,6 +159,15 @@ class JobReported(_Event, frozen=True, tag=4):
     count: Positive
 
 
+class JobFailed(_Event, frozen=True, tag=16):
+    """A worker reported ``job`` failed (vLLM 0.34's ``OffloadingWorkerMetadata.failed_jobs``):
+    a failed store is not published to the CPU tier and a failed load is not read. The same
+    step's ``JobReported`` counts it complete, which releases its pins as for any completion;
+    this records that the copy did not happen (``kvreplay show`` marks the job failed)."""
+
+    job: NonNeg
+
+
 class WindowHold(_Event, frozen=True, tag=5):
     """Sliding-window (or non-align Mamba) blocks of ``req``: their pages stay until released."""
 
@@ -243,6 +252,7 @@ Event: TypeAlias = (
     | BlockFree
     | JobBuilt
     | JobReported
+    | JobFailed
     | WindowHold
     | WindowRelease
     | RequestAdded
@@ -275,6 +285,7 @@ EVENT_TYPES: Final[tuple[type[_Event], ...]] = (
     PageUnmapped,
     Gap,
     RequestBlocks,
+    JobFailed,
 )
 
 

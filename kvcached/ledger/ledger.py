@@ -41,6 +41,7 @@ from .events import (
     Gap,
     Header,
     JobBuilt,
+    JobFailed,
     JobKind,
     JobReported,
     MemoryLimit,
@@ -94,6 +95,7 @@ class Ledger(LedgerQueries):
             BlockFree: self._block_free,
             JobBuilt: self._job_built,
             JobReported: self._job_reported,
+            JobFailed: self._job_failed,
             WindowHold: self._window_hold,
             WindowRelease: self._window_release,
             RequestAdded: self._request_added,
@@ -379,6 +381,11 @@ class Ledger(LedgerQueries):
             if n > t.peak_pinned_pages:
                 t.peak_pinned_pages = n
         t.jobs_built += 1
+
+    def _job_failed(self, ev: JobFailed) -> None:
+        # Counted only: the pins go with the report that accompanies it (a failed copy is
+        # still a finished one, and the memory it read or wrote is no longer touched).
+        self.tables.jobs_failed += 1
 
     def _job_reported(self, ev: JobReported) -> None:
         t = self.tables

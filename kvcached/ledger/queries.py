@@ -161,6 +161,7 @@ class LedgerQueries:
             "events": t.index,
             "builds": t.builds,
             "jobs": t.jobs_built,
+            "failed_jobs": t.jobs_failed,
             "outstanding_jobs": len(t.jobs),
             "maps": t.maps,
             "unmaps": t.unmaps,

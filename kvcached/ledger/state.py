@@ -88,6 +88,8 @@ class LedgerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     owned: dict[int, dict[int, int]] = {}
     written: dict[int, list[int]] = {}
     owned_due: dict[int, list[int]] = {}
+    # Added with JobFailed (vLLM 0.34's failed transfer jobs): a default, as above.
+    jobs_failed: int = 0
 
 
 # The tables behind ``pools``, in PoolState's field order (``jobs`` is the table ``jobs``).

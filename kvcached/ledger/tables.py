@@ -131,6 +131,7 @@ class LedgerTables:
     peak_pinned_pages: int
     builds: int
     jobs_built: int
+    jobs_failed: int  # JobFailed events: copies a worker reported failed
     maps: int
     unmaps: int
     prefix_cache_resets: int
@@ -184,7 +185,7 @@ class LedgerTables:
         self.stall_reported, self.hold_reported = False, set()
         self.violations, self.job_violation = [], {}
         self.mapped_pages = self.pinned_pages = self.peak_pinned_pages = 0
-        self.builds = self.jobs_built = self.maps = self.unmaps = self.prefix_cache_resets = 0
+        self.builds = self.jobs_built = self.jobs_failed = self.maps = self.unmaps = self.prefix_cache_resets = 0
         self.releasable, self.fresh = set(), []
 
     def violate(self, invariant: InvariantId, code: str, message: str, **kw: Any) -> None:

@@ -23,6 +23,7 @@ from kvcached.ledger.events import (
     BlockFree,
     Event,
     JobBuilt,
+    JobFailed,
     JobReported,
     PageMapped,
     PageUnmapped,
@@ -94,7 +95,7 @@ class _Page(_Focus):
                 self.jobs.add(ev.job)
                 return True
             return False
-        if isinstance(ev, JobReported):
+        if isinstance(ev, JobReported | JobFailed):
             return ev.job in self.jobs
         if isinstance(ev, PageMapped | PageUnmapped):
             return ev.page == p
@@ -133,6 +134,7 @@ class _Job(_Focus):
         self.built = False
         self.reported = 0
         self.workers = 0
+        self.failed = False  # a worker reported the copy failed (JobFailed)
 
     def start(self, lg: Ledger) -> None:
         st = lg.tables.jobs.get(self.job)  # outstanding at the snapshot: built before it
@@ -147,6 +149,9 @@ class _Job(_Focus):
             return True
         if isinstance(ev, JobReported) and ev.job == self.job:
             self.reported += ev.count
+            return True
+        if isinstance(ev, JobFailed) and ev.job == self.job:
+            self.failed = True
             return True
         if not self.built or self.reported >= self.workers:
             return False
@@ -165,7 +170,7 @@ class _Job(_Focus):
             return "not built"
         if self.reported >= self.workers:
             # Once complete, its pages are no longer its story: freeze the state line.
-            return f"reported {self.reported}/{self.workers}: complete"
+            return f"reported {self.reported}/{self.workers}: complete" + (", failed" if self.failed else "")
         pages = ", ".join(f"{p}{'' if lg.is_mapped(p) else ' (unmapped)'}" for p in sorted(self.pages)[:8])
         more = f" +{len(self.pages) - 8} more" if len(self.pages) > 8 else ""
         return f"reported {self.reported}/{self.workers}; pages {pages or 'none'}{more}"
@@ -203,6 +208,8 @@ class _Request(_Focus):
         if isinstance(ev, JobReported) and ev.job in self.jobs:
             self.jobs[ev.job] -= ev.count
             return True
+        if isinstance(ev, JobFailed):
+            return ev.job in self.jobs
         if isinstance(ev, RequestFinished | RequestPreempted | WindowHold | WindowRelease):
             return ev.req == self.req
         return False

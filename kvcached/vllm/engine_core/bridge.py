@@ -45,6 +45,7 @@ from ...ledger.events import (
     BuildBoundary,
     Event,
     JobBuilt,
+    JobFailed,
     JobKind,
     JobReported,
     PrefixCacheReset,
@@ -332,7 +333,13 @@ class Bridge:
         meta = connector_output.kv_connector_worker_meta
         completed = getattr(meta, "completed_jobs", None)
         if completed:
+            # NOTE: vLLM 0.34's workers report a failed copy as completed and name it in
+            # failed_jobs (OffloadingWorkerMetadata.mark_completed(job_id, success=False)): the
+            # failure is recorded first, then the report releases the pins as for any other.
+            failed = getattr(meta, "failed_jobs", None) or ()
             for job_id, count in completed.items():
+                if job_id in failed:
+                    self._emit(JobFailed(int(job_id)))
                 self._emit(JobReported(int(job_id), int(count)))
         return out
 

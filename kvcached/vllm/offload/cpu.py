@@ -101,6 +101,7 @@ class _Pending:
     due_tick: int
     copied: bool = False
     seconds: float = 0.0
+    failed: bool = False
 
 
 @dataclass
@@ -164,6 +165,10 @@ class KvcachedCPUOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused
         # What a harness may change between steps.
         self.copy_fn: CopyFn = torch_index_copy
         self.observers: list[Callable[[TransferPlan], None]] = []
+        # A job this names is not copied and is reported failed (TransferResult.success False,
+        # which vLLM 0.34's worker connector passes on as OffloadingWorkerMetadata.failed_jobs):
+        # a transfer error, for the tests of what a failed job leaves behind.
+        self.fails: Callable[[TransferPlan], bool] | None = None
         self.delay_steps = 0
         self.copy_at_completion = True
         self.tick = 0
@@ -267,7 +272,7 @@ class KvcachedCPUOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused
         while self._pending and self._pending[0].due_tick <= self.tick:
             p = self._pending.popleft()
             self._execute(p)
-            results.append(TransferResult(p.plan.job_id, True, p.plan.total_bytes, p.seconds))
+            results.append(TransferResult(p.plan.job_id, not p.failed, p.plan.total_bytes, p.seconds))
         self.tick += 1
         return results
 
@@ -299,6 +304,9 @@ class KvcachedCPUOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused
 
     def _execute(self, p: _Pending) -> None:
         if p.copied:
+            return
+        if self.fails is not None and self.fails(p.plan):
+            p.copied = p.failed = True  # nothing moved: the copy failed
             return
         t0 = time.perf_counter()
         self.copy_fn(p.plan, self.device_tensors, self.host_tensors)
