@@ -62,9 +62,11 @@ def check_vllm_version(version: str, *, strict: bool = False) -> str | None:
             f"kvcached was not tested on vLLM {version} and KVCACHED_STRICT_VERSIONS=1: install one of "
             f"{', '.join(patches.TESTED)}, or unset KVCACHED_STRICT_VERSIONS"
         )
+    which = "newer than" if r > patches.release(patches.NEWEST) else "a release between those"
     return (
-        f"vLLM {version} is newer than kvcached was tested on (newest: {patches.NEWEST}); every patch target "
-        "is checked as it is installed (KVCACHED_STRICT_VERSIONS=1 refuses untested releases)"
+        f"vLLM {version} is {which} kvcached was tested on ({', '.join(patches.TESTED)}; newest "
+        f"{patches.NEWEST}); every patch target is checked as it is installed (KVCACHED_STRICT_VERSIONS=1 "
+        "refuses untested releases)"
     )
 
 
