@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM 0.33.0's own tests as kvcached's conformance suite: vLLM's tests of its block
+# vLLM's own tests (0.33.0, 0.34.0) as kvcached's conformance suite: vLLM's tests of its block
 # pool, KV cache managers, prefix caching, scheduler and OffloadingConnector, run in .venv-vllm
 # twice: on vLLM alone, then with kvcached's page-aware pool and bridge under every BlockPool and
 # Scheduler they build (tests/vllm_upstream/kvcached_conformance.py; known_failures.txt beside
@@ -8,7 +8,7 @@
 # vLLM's wheel holds no tests, so they come from vLLM's source distribution on the package index
 # pip is configured with (pip's own finder and session: its index, extra indexes, find-links,
 # certificates and proxy), checked against the sha256 below, fetched once
-# into .cache/vllm-0.33.0-tests/; only the test files listed here are extracted, and nothing of
+# into .cache/vllm-VERSION-tests/; only the test files listed here are extracted, and nothing of
 # vLLM is kept in this repository. The runs are offline: HF_HUB_OFFLINE=1 with a stand-in hub
 # config for facebook/opt-125m (the model vLLM's scheduler tests build their config from), and
 # VLLM_TARGET_DEVICE=cpu (vLLM's CUDA wheel finds no device here otherwise).
@@ -17,10 +17,16 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
-VERSION=0.33.0
-SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
-CACHE=.cache/vllm-$VERSION-tests
-PY=$ROOT/.venv-vllm/bin/python
+# The environment's vLLM decides the release whose tests run (KVCACHED_VLLM_PYTHON: another
+# environment's interpreter, as scripts/compat.sh passes); each release's sdist is pinned here.
+PY=${KVCACHED_VLLM_PYTHON:-$ROOT/.venv-vllm/bin/python}
+sdist_sha256() {
+    case $1 in
+        0.33.0) echo f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112 ;;
+        0.34.0) echo fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113 ;;
+        *) return 1 ;;
+    esac
+}
 
 MODE=${1:-both}
 case $MODE in
@@ -35,6 +41,12 @@ if [ ! -x "$PY" ]; then
     echo "vllm-conformance.sh: $PY is missing; run scripts/test.sh once to build .venv-vllm" >&2
     exit 2
 fi
+VERSION=$("$PY" -c 'import vllm; print(vllm.__version__.split("+")[0])')
+if ! SHA256=$(sdist_sha256 "$VERSION"); then
+    echo "vllm-conformance.sh: no pinned source distribution for vLLM $VERSION (in $PY); add its sha256 here" >&2
+    exit 2
+fi
+CACHE=.cache/vllm-$VERSION-tests
 
 # What is extracted from the sdist: support files, then the tests run (all of each file).
 SUPPORT=(
@@ -49,6 +61,13 @@ SUPPORT=(
     tests/v1/kv_connector/unit/conftest.py
     tests/v1/kv_connector/unit/utils.py
 )
+# vLLM's CUDA wheel finds no device here unless told it targets the CPU (0.34's CPU platform also
+# asks for triton-cpu, which kvcached_conformance.py stands in for: these tests run no kernel).
+DEVICE_ENV=(VLLM_TARGET_DEVICE=cpu)
+# Support files a release's tests import beyond those (0.34's offloading tests: its spec-decode helpers).
+case $VERSION in
+    0.34.*) SUPPORT+=(tests/v1/spec_decode/__init__.py tests/v1/spec_decode/utils.py) ;;
+esac
 TESTS=(
     # the block pool and prefix caching
     tests/v1/core/prefix_cache/
@@ -154,7 +173,7 @@ run_pass() {
     echo "--- vLLM $VERSION's own tests: $label"
     (
         cd "$CACHE" &&
-            VLLM_TARGET_DEVICE=cpu HF_HOME=$PWD/hf HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+            env "${DEVICE_ENV[@]}" HF_HOME=$PWD/hf HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
                 PYTHONPATH=$ROOT/tests/vllm_upstream \
                 "$PY" -m pytest -q -p no:cacheprovider -p kvcached_conformance -rfE "$@" "${TESTS[@]}"
     ) || rc=$?

@@ -143,6 +143,7 @@ class Bridge:
         self._preempted_status = _preempted_status()
         self._orig: dict[str, Callable[..., Any]] = {}
         self._fresh: set[int] = set()  # blocks vLLM's pool handed out since the last build
+        self.null_block = 0  # vLLM's null block id (BlockPool.null_block): held for ever, no request's
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -157,6 +158,16 @@ class Bridge:
 
     def _emit(self, ev: Event) -> None:
         self.recorder.emit(ev)
+
+    def _job_blocks(self, spec: Any) -> tuple[int, ...]:
+        """A job's device blocks, vLLM's null block left out. NOTE: from vLLM 0.34 a store job
+        keeps a chunk's null pages (a sliding window's dropped blocks) as placeholders in its
+        spec (OffloadingConnectorScheduler: "must not be fenced as a live allocation"): the null
+        block is no request's, is never freed and its page never unmapped, so a job over it
+        pins nothing and stores no request's KV."""
+        ids = _block_ids(spec)
+        null = self.null_block
+        return tuple(b for b in ids if b != null) if null in ids else ids
 
     # --- the wrapped calls --------------------------------------------------------------------
 
@@ -192,9 +203,9 @@ class Bridge:
         # Sorted: vLLM hands some of these over as sets of strings, whose order changes with the
         # hash seed, and a journal of the same run must be the same bytes (golden traces).
         for job_id, job in sorted(meta.load_jobs.items()):
-            emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (_block_ids(job.dst_spec),), workers))
+            emit(JobBuilt(int(job_id), JobKind.LOAD, self.req(job.req_id), (self._job_blocks(job.dst_spec),), workers))
         for job_id, job in sorted(meta.store_jobs.items()):
-            emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (_block_ids(job.src_spec),), workers))
+            emit(JobBuilt(int(job_id), JobKind.STORE, self.req(job.req_id), (self._job_blocks(job.src_spec),), workers))
         for r, fresh, shared in after:
             emit(RequestBlocks(r, POOL, fresh, shared))
         preempted = self._preempted
@@ -409,6 +420,7 @@ def install_bridge(scheduler: Any, recorder: Recorder, *, offloading: bool = Tru
     else:
         workers, windows = 1, frozenset()
     bridge = Bridge(connector, recorder, workers=workers, windows=windows)
+    bridge.null_block = int(pool.null_block.block_id)
     if connector is not None:
         bridge._orig.update(connector.vllm_calls())
         connector.kvcached_bridge = bridge
