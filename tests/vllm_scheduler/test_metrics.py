@@ -99,6 +99,7 @@ def test_series_join_vllm_s_labels_start_at_zero_and_partition_the_pages(folder:
     assert {k: info[k] for k in ("version", "policy", "backend", "page_bytes", "compiled", "pid", "budget")} == {
         "version": "9.9", "policy": "ledger", "backend": "host", "page_bytes": str(PAGE), "compiled": "true",
         "pid": "1000", "budget": "gpu0"}
+    assert (info["vllm_version"], info["tested"]) == ("0.32.0", "true")
     # A series per invariant and engine from the first scrape, each at 0.
     violations = got["vllm:kvcached_violations_total"]
     assert sorted((lv["engine"], lv["invariant"]) for lv, _ in violations) == sorted(
