@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM's own tests (0.33.0, 0.34.0) as kvcached's conformance suite: vLLM's tests of its block
+# vLLM's own tests (0.32.0 to 0.34.0) as kvcached's conformance suite: vLLM's tests of its block
 # pool, KV cache managers, prefix caching, scheduler and OffloadingConnector, run in .venv-vllm
 # twice: on vLLM alone, then with kvcached's page-aware pool and bridge under every BlockPool and
 # Scheduler they build (tests/vllm_upstream/kvcached_conformance.py; known_failures.txt beside
@@ -23,6 +23,7 @@ PY=${KVCACHED_VLLM_PYTHON:-$ROOT/.venv-vllm/bin/python}
 sdist_sha256() {
     case $1 in
         0.33.0) echo f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112 ;;
+        0.32.0) echo d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad ;;
         0.34.0) echo fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113 ;;
         *) return 1 ;;
     esac
