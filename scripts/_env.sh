@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 # pip's noise that says nothing about this install: local index folders it cannot see, and
 # setuptools' notice (with its banner) that an editable install is one.
 pip_noise() {
-    grep -v -E '^WARNING: Location|^sglang [0-9.]+ requires .*, which is not installed\.$|^ERROR: pip.s dependency resolver does not currently take into account all the packages|BuildBackendWarning: Editable installation|^\s*!!\s*$|^\s*\*{20,}\s*$|Please be careful with folders|name as your package as they may|with strategy, WheelFile|^\s*$' "$1" || true
+    grep -v -E '^WARNING: Location|^sglang [0-9.]+ requires .*, which is not installed\.$|^vllm 0\.34\.0 requires flashinfer-python==0\.7\.3, but you have flashinfer-python 0\.7\.4 which is incompatible\.$|^ERROR: pip.s dependency resolver does not currently take into account all the packages|BuildBackendWarning: Editable installation|^\s*!!\s*$|^\s*\*{20,}\s*$|Please be careful with folders|name as your package as they may|with strategy, WheelFile|^\s*$' "$1" || true
 }
 
 pip_quiet() {
