@@ -164,3 +164,24 @@ def test_decision_backends_hold_no_bytes() -> None:
     with pytest.raises(ConfigError, match="the scheduler holds no KV bytes"):
         b.tensor()
     assert b.resident_bytes() == 0
+
+
+def test_after_warm_up_a_worker_holds_what_was_decided_and_says_so(ranks, caplog) -> None:
+    """The first batch's pages and nothing more are mapped once warm-up's are dropped; a range
+    holding more (a runner that allocated around kvcached: the whole cache backed, the server
+    healthy) is refused in one line rather than served as if elastic."""
+    import logging
+
+    manager, log, _ = _engine()
+    manager.alloc(9)  # pages 0 and 1
+    good, bad = ranks
+    bad.backend.map_page(PLAN.geometry.num_pages - 1)  # backed outside the scheduler's decisions
+    message = pickle.loads(pickle.dumps(log.take()))
+    with caplog.at_level(logging.INFO, logger="vllm.kvcached"):
+        good.apply(message)
+    (line,) = [r.getMessage() for r in caplog.records if "after warm-up" in r.getMessage()]
+    assert f"after warm-up 2 of {PLAN.geometry.num_pages} pages mapped (6 MiB), as decided" in line, line
+    with pytest.raises(step_channel.ChannelError) as e:
+        bad.apply(message)
+    msg = str(e.value)
+    assert "\n" not in msg and "has 7 page slots mapped, the scheduler decided 6" in msg, msg

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...backends.base import Backend
 from ...errors import ConfigError
+from ...settings import format_size
 from .. import patches
 from ..kv_layout import KVPlan
 from ..step_channel import ATTR, ChannelError
@@ -56,14 +57,38 @@ class WorkerPages:
         self.seq = seq
         if seq == 1:
             self._forget_warm_up()
-            log.info(
-                "[kvcached] worker pid %d: %d pages x %d regions, mapped as the scheduler decides (step channel)",
-                os.getpid(),
-                self.num_pages,
-                self.regions,
-            )
-        if not ops:
+            self._apply(ops)
+            self._check_after_warm_up()
             return
+        if ops:
+            self._apply(ops)
+
+    def _check_after_warm_up(self) -> None:
+        """NOTE: the first batch maps what the scheduler chose to start with (vLLM's null block's
+        page, the reserve): that and nothing more may be mapped once warm-up's pages are gone.
+        Upstream kvcached's users met engines that backed the whole KV range while serving
+        healthily whenever a runner change routed the allocation around it; here the worker
+        says in one line what it holds, and refuses a range holding more than was decided."""
+        b = self.backend
+        decided = (self.maps - self.unmaps) * self.regions
+        if b.mapped_count != decided:
+            raise ChannelError(
+                f"kvcached: after warm-up this worker's KV range has {b.mapped_count} page slots mapped, the "
+                f"scheduler decided {decided}: the memory is not elastic (a runner that allocated around kvcached?); "
+                "disable kvcached"
+            )
+        log.info(
+            "[kvcached] worker pid %d: %d pages x %d regions, mapped as the scheduler decides (step channel); "
+            "after warm-up %d of %d pages mapped (%s), as decided",
+            os.getpid(),
+            self.num_pages,
+            self.regions,
+            self.maps - self.unmaps,
+            self.num_pages,
+            format_size(decided * b.page_bytes),
+        )
+
+    def _apply(self, ops: list[int]) -> None:
         b = self.backend
         if b.kind == "cuda" and any(op < 0 for op in ops):
             # Kernels of the step before this one may still be queued (async scheduling launches
