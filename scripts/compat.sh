@@ -49,7 +49,7 @@ suite() {
     "$py" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1 || rc=$?
     tail -1 "$log"
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$engine" "$version" "$name" "$rc" "$(($(date +%s) - start))" \
-        "$(grep -E '^[=]* *[0-9]+ (passed|failed)|^[0-9]+ (passed|failed|skipped)' "$log" | tail -1)" >>"$ROWS"
+        "$(grep -E '^[=]* *[0-9]+ (passed|failed)|^[0-9]+ (passed|failed|skipped)' "$log" | tail -1 || true)" >>"$ROWS"
     rm -f "$log"
     [ "$rc" -eq 0 ] || status=1
 }
@@ -92,7 +92,8 @@ for w in "${WANTED[@]}"; do
             log=$(mktemp)
             KVCACHED_VLLM_PYTHON=$py bash scripts/vllm-conformance.sh both >"$log" 2>&1 || rc=$?
             for pass in "vLLM alone" "with kvcached"; do
-                line=$(grep -A1000 -- "--- vLLM $version's own tests: $pass" "$log" | grep -E '^[0-9]+ (passed|failed)' | head -1)
+                line=$(grep -A1000 -- "--- vLLM $version's own tests: $pass" "$log" |
+                    grep -E '^[0-9]+ (passed|failed)' | head -1) || line="no summary (exit $rc)"
                 printf '%s\t%s\t%s\t%s\t%s\t%s\n' vllm "$version" "vLLM's own tests, $pass" "$rc" \
                     "$(($(date +%s) - start))" "$line" >>"$ROWS"
             done
