@@ -47,7 +47,7 @@ def test_supported_setups_pass(model: str) -> None:
 @pytest.mark.parametrize(
     ("kw", "version", "settings", "needle"),
     [
-        ({}, "0.31.2", {}, "supports vLLM 0.32.0 and 0.33.0"),
+        ({}, "0.31.2", {}, "supports vLLM 0.32.0 to 0.34.0 .*this is 0.31.2"),
         (_offload({**OURS, "spec_name": "CPUOffloadingSpec"}), "0.32.0", {}, "spec_name"),
         (_offload({**OURS, "canonical_layout": True}), "0.32.0", {}, "canonical_layout"),
         (_offload({}, connector="LMCacheConnectorV1"), "0.32.0", {}, "OffloadingConnector as the only KV connector"),
@@ -61,6 +61,18 @@ def test_unsupported_setups_are_refused(
     with pytest.raises(ConfigError, match=needle) as e:
         checks.check_config(_config(model, **kw), s, version=version, on_cpu=True)
     assert "\n" not in str(e.value)
+
+
+def test_an_untested_newer_vllm_serves_with_one_warning_unless_strict(model: str, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm.kvcached"):
+        checks.check_config(_config(model), Settings.from_env({"ENABLE_KVCACHED": "1"}), version="0.35.0", on_cpu=True)
+    (line,) = [r.getMessage() for r in caplog.records if "0.35.0" in r.getMessage()]
+    assert line.startswith("[kvcached] vLLM 0.35.0 is newer than kvcached was tested on"), line
+    strict = Settings.from_env({"ENABLE_KVCACHED": "1", "KVCACHED_STRICT_VERSIONS": "1"})
+    with pytest.raises(ConfigError, match="KVCACHED_STRICT_VERSIONS=1"):
+        checks.check_config(_config(model), strict, version="0.35.0", on_cpu=True)
 
 
 def test_tensor_parallel_and_the_mp_executor_pass_on_cpu_and_gpu(model: str) -> None:
