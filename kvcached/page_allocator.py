@@ -220,8 +220,12 @@ class PageAllocator:
             # deadlock: the pins may belong to a request that only lets go once it runs again
             # (review comment P2 on kvcached PR #598: window holds of a preempted request).
             return len(self._reserved) - len(self._goable)
-        grow = self._budget_pages() if lease else self._budget_room()
-        return len(self._reserved) + min(len(self._free), self.limit - self.mapped, grow)
+        return len(self._reserved) + min(len(self._free), self.limit - self.mapped, self._growth(lease))
+
+    def _growth(self, lease: bool) -> int:
+        """Pages beyond the mapped ones the budget lets maps use: leased for a count a map
+        follows, read for a report (``pages_available``'s ``lease``)."""
+        return self._budget_pages() if lease else self._budget_room()
 
     def _budget_room(self) -> int:
         """Pages beyond the mapped ones the budget would let this allocator map, read and not
@@ -275,8 +279,7 @@ class PageAllocator:
         # A free page (neither reserved nor in use) is mapped lowest first: the highest one is
         # among those available only when every free page is.
         n = len(self._free)
-        grow = self._budget_pages() if lease else self._budget_room()
-        return page not in self._in_use and self.limit - self.mapped >= n and grow >= n
+        return page not in self._in_use and self.limit - self.mapped >= n and self._growth(lease) >= n
 
     # --- handing pages out and taking them back -----------------------------------------------
 
