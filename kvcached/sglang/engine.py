@@ -75,6 +75,8 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
     # join_wait_s seconds (KVCACHED_JOIN_WAIT_S; Budget.join).
     min_kv_cache_bytes: int = 0
     join_wait_s: float = 0.0
+    # KVCACHED_STRICT_VERSIONS: refuse an SGLang release kvcached was not tested on (else: warn).
+    strict_versions: bool = False
 
     def __post_init__(self) -> None:
         if self.journal_path is not None and self.journal_service is not None:

@@ -26,27 +26,36 @@ from typing import Any, Final
 
 import msgspec
 
+from ..engine.releases import Releases
 from ..errors import ConfigError
 from ..ledger.events import JobKind
 from .engine import ENGINE_ATTR, SglangConfig, SglangEngine, engine_of
 
 log = logging.getLogger("sglang.kvcached")
 
-# The SGLang releases every target below was read in and tested on.
-KNOWN: Final = ("0.5.23",)
+# The SGLang releases every target below was read in and tested on, oldest first
+# (scripts/compat.sh runs tests/sglang_engine on each).
+KNOWN: Final = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
+SGLANG: Final = Releases("SGLang", KNOWN)
 
 
 class Patch(msgspec.Struct, frozen=True):
-    """``module.owner.attr``, wrapped AROUND (``attr``) or REPLACEd (a class: ``owner`` None)."""
+    """``module.owner.attr``, wrapped AROUND (``attr``) or REPLACEd (a class: ``owner`` None), for
+    the releases from ``since`` up to, not including, ``until`` (``kvcached.engine.releases``)."""
 
     module: str
     owner: str | None
     attr: str
     why: str
+    since: str = SGLANG.oldest
+    until: str | None = None
 
     @property
     def target(self) -> str:
         return ".".join(x for x in (self.module, self.owner, self.attr) if x)
+
+    def holds_for(self, version: str) -> bool:
+        return SGLANG.holds(self.since, self.until, version)
 
 
 _POOL = "sglang.srt.mem_cache.memory_pool"
@@ -115,10 +124,15 @@ CALLED: Final = (
 )
 
 
-def check() -> None:
-    """Refuse, in one line, an SGLang that lacks a target (nothing is changed before)."""
+def check(*, strict: bool = False) -> str | None:
+    """Refuse, in one line, an SGLang older than the oldest tested (or, ``strict``, any untested
+    one) or one that lacks a target of its release (nothing is changed before); the warning to
+    log for an untested release that has them all, else None."""
     version = _version()
+    untested = SGLANG.check(version, strict=strict) if version != _UNKNOWN else None
     for p in (*PATCHES, *CALLED):
+        if version != _UNKNOWN and not p.holds_for(version):
+            continue
         try:
             owner: Any = importlib.import_module(p.module)
             if p.owner is not None:
@@ -129,6 +143,10 @@ def check() -> None:
                 f"kvcached cannot run under SGLang {version}: {p.target} is missing ({e}); "
                 f"known to work: SGLang {', '.join(KNOWN)}"
             ) from None
+    return untested
+
+
+_UNKNOWN: Final = "(unknown version)"
 
 
 def _version() -> str:
@@ -137,7 +155,7 @@ def _version() -> str:
 
         return sglang_version()
     except Exception:
-        return "(unknown version)"
+        return _UNKNOWN
 
 
 # --- the hooks ------------------------------------------------------------------------------
@@ -249,14 +267,19 @@ def _evictor(tree: Any) -> Any:
     return evict
 
 
-def install() -> None:
-    """Register and apply the AROUND hooks (idempotent); they act on kvcached's pools only."""
+def install(*, strict: bool = False) -> None:
+    """Register and apply the AROUND hooks of this SGLang's release (idempotent); they act on
+    kvcached's pools only. An untested release is said once, in one line."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     global _installed
     if _installed:
         return
-    check()
+    untested = check(strict=strict)
+    if untested is not None:
+        log.warning("[kvcached] %s", untested)
+    version = _version()
+    rows = [p for p in PATCHES if version == _UNKNOWN or p.holds_for(version)]
     around = {
         "_create_buffers_normal": _create_buffers,
         "_create_buffers": _create_latent_buffers,
@@ -265,8 +288,8 @@ def install() -> None:
         "get_next_batch_to_run": _step,
         "_check_all_pools": _check_pools,
     }
-    before = {p.target: pkgutil.resolve_name(p.target) for p in PATCHES if p.owner is not None}
-    for p in PATCHES:
+    before = {p.target: pkgutil.resolve_name(p.target) for p in rows if p.owner is not None}
+    for p in rows:
         if p.owner is not None:
             HookRegistry.register(p.target, around[p.attr], HookType.AROUND)
     HookRegistry.apply_hooks()
@@ -289,7 +312,7 @@ def enable(config: SglangConfig) -> None:
     from .allocator import KvcachedPagedAllocator, KvcachedTokenAllocator
 
     global _config, _enabled
-    install()
+    install(strict=config.strict_versions)
     _config = config
     _enabled = True
     HookRegistry.register(f"{_TOKEN}.TokenToKVPoolAllocator", KvcachedTokenAllocator, HookType.REPLACE)

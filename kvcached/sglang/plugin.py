@@ -42,6 +42,7 @@ def config_from(settings: Settings) -> SglangConfig:
         budget_bytes=settings.budget_bytes,
         min_kv_cache_bytes=settings.min_kv_cache_bytes,
         join_wait_s=settings.join_wait_s,
+        strict_versions=settings.strict_versions,
     )
 
 

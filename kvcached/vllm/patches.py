@@ -37,6 +37,7 @@ from typing import Any, Final
 
 import msgspec
 
+from ..engine.releases import Releases
 from ..errors import ConfigError
 
 SENTINEL: Final = "__kvcached_patch__"
@@ -47,27 +48,10 @@ CONNECTOR_MODULE: Final = "kvcached.vllm.engine_core.connector"
 # refuses an older one; a newer one serves, with a warning, where every target it needs is there
 # (``api_server.checks.check_vllm_version``).
 TESTED: Final = ("0.32.0", "0.33.0", "0.34.0")
-OLDEST: Final = TESTED[0]
-NEWEST: Final = TESTED[-1]
-
-
-def release(version: str) -> tuple[int, int, int]:
-    """``"0.34.0+cpu"`` -> ``(0, 34, 0)``: the release a version string names (a local or a
-    pre-release suffix is that release); ``ConfigError`` for what names none."""
-    base = version.split("+")[0]
-    parts = []
-    for piece in base.split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            raise ConfigError(f"kvcached cannot read vLLM's version {version!r} (not like 0.34.0)")
-        parts.append(int(digits))
-    while len(parts) < 3:
-        parts.append(0)
-    return (parts[0], parts[1], parts[2])
+VLLM: Final = Releases("vLLM", TESTED)
+OLDEST: Final = VLLM.oldest
+NEWEST: Final = VLLM.newest
+release = VLLM.parse
 
 
 class When(enum.Enum):
@@ -109,17 +93,12 @@ class Patch(msgspec.Struct, frozen=True, kw_only=True):
     factory: str | None = None
 
     def holds_for(self, version: str) -> bool:
-        r = release(version)
-        return release(self.since) <= r and (self.until is None or r < release(self.until))
+        return VLLM.holds(self.since, self.until, version)
 
     @property
     def range(self) -> str:
         """``0.32.0 to 0.33.x`` or ``0.34.0 on``: what a refusal names."""
-        if self.until is None:
-            return f"{self.since} on"
-        u = release(self.until)
-        last = f"{u[0]}.{u[1] - 1}.x" if u[2] == 0 and u[1] else self.until
-        return f"{self.since} to {last}"
+        return VLLM.span(self.since, self.until)
 
     def targets(self) -> list[str]:
         where = f"{self.module}.{self.owner}" if self.owner else self.module

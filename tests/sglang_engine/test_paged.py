@@ -18,6 +18,7 @@ from kvcached.ledger.events import Policy
 from kvcached.sglang.allocator import KvcachedPagedAllocator, KvcachedTokenAllocator
 from kvcached.sglang.engine import engine_of
 from kvcached.sglang.hooks import pools_on_kvcached
+from kvcached.sglang.testing import gpu_only
 from kvcached.sglang.testing.scenarios import config
 
 PS = 16  # SGLang page: 16 slots of 2 heads x 8 x fp32 = 1 KiB a region; 4 to a 4 KiB kvcached page
@@ -40,6 +41,7 @@ def _shape(out: torch.Tensor, lens: list[int]) -> list[list[tuple[int, int]]]:
     return rows
 
 
+@pytest.mark.skipif(gpu_only() is not None, reason=str(gpu_only()))
 def test_it_places_a_batch_as_sglangs_allocator_does_on_pages_kvcached_maps() -> None:
     with pools_on_kvcached(msgspec.structs.replace(config(Policy.LEDGER))):
         pool = _pool()

@@ -1,6 +1,6 @@
 """SGLang serving end to end on this CPU, kvcached under it through SGLang's plugin interface.
 
-SGLang 0.5.23's offline ``Engine`` (its tokenizer manager, scheduler and detokenizer processes)
+SGLang's offline ``Engine`` (its tokenizer manager, scheduler and detokenizer processes)
 serves the tiny llama with HiCache on (``kvcached.sglang.testing.serve``): three prompts on a
 160-slot pool, so that the first two are evicted to the host tier and come back from it, then a
 flush and the first again. Native SGLang, kvcached ``legacy`` and kvcached ``ledger`` must give
@@ -24,10 +24,16 @@ import pytest
 
 from kvcached.ledger.journal import JournalContents, read_journal
 from kvcached.ledger.ledger import Ledger
-from kvcached.sglang.testing import cpu_platform
-from kvcached.sglang.testing.serve import tiny_mla
+from kvcached.sglang.engine import sglang_version
+from kvcached.sglang.testing import gpu_only
 from kvcached.testing import tiny_kinds
 from kvcached.testing.tiny_model import build
+
+if (_why := gpu_only()) is not None:
+    pytest.skip(_why, allow_module_level=True)
+
+from kvcached.sglang.testing import cpu_platform  # imports what SGLang 0.5.22 added
+from kvcached.sglang.testing.serve import tiny_mla
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +205,7 @@ def test_kvctl_lists_and_limits_a_served_sglang_engine(tmp_path: Path) -> None:
 
         (listed,) = kvctl("list")
         status = listed["status"]
-        assert status["engine"]["vllm"] == "sglang 0.5.23" and status["engine"]["model"] == str(model)
+        assert status["engine"]["vllm"] == f"sglang {sglang_version()}" and status["engine"]["model"] == str(model)
         mapped = status["memory"]["mapped_pages"]
         page = status["memory"]["page_bytes"]
         assert mapped >= 2

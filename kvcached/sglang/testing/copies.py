@@ -83,17 +83,32 @@ class DeferredCopies:
 
     @contextmanager
     def installed(self) -> Iterator[DeferredCopies]:
-        """SGLang's host pool and transfer engine use this stand-in while the block runs."""
+        """SGLang's host pool and transfer engine use this stand-in while the block runs.
+
+        NOTE: SGLang up to 0.5.21 takes its streams from ``torch.get_device_module()``, which from
+        torch 2.14 is ``torch.cuda`` on a CUDA build with no device (0.5.22's
+        ``get_device_module`` checks for one); the copy engine's streams are then
+        ``torch.cpu``'s here, as they are under 0.5.22 on.
+        """
+        from sglang.srt.managers import cache_controller
         from sglang.srt.mem_cache import l2_transfer
         from sglang.srt.mem_cache.pool_host import mha
 
         saved_kernel = mha.__dict__.get("transfer_kv_direct", _MISSING)
         saved_pair = l2_transfer.make_timing_event_pair
+        no_device = [
+            m for m in (l2_transfer, cache_controller)
+            if getattr(m, "device_module", None) is torch.cuda and not torch.cuda.is_available()
+        ]  # fmt: skip
         mha.transfer_kv_direct = self.transfer_kv_direct
         l2_transfer.make_timing_event_pair = self.event_pair
+        for m in no_device:
+            m.device_module = torch.cpu
         try:
             yield self
         finally:
+            for m in no_device:
+                m.device_module = torch.cuda
             l2_transfer.make_timing_event_pair = saved_pair
             if saved_kernel is _MISSING:
                 del mha.transfer_kv_direct

@@ -12,6 +12,7 @@ does at each scheduler step; ``drain_acks`` is what the tree's ``writing_check``
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -48,24 +49,13 @@ class HiCacheStack:
         assert engine is not None
         self.engine: SglangEngine = engine
         self.allocator = KvcachedTokenAllocator(size, torch.float32, "cpu", self.pool, need_sort=False)
-        self.host = MHATokenToKVPoolHost(
-            self.pool._mha_buffer_info(),
-            2.0,
-            0,
-            1,
-            "layer_first",
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=size,
-            start_layer=0,
-            end_layer=layers - 1,
-        )
+        self.host = _host_pool(MHATokenToKVPoolHost, self.pool, size, layers)
+        self.copies = DeferredCopies()
+        self._installed = self.copies.installed()
+        self._installed.__enter__()  # before the controller: its copy engine makes its streams
         self.controller = HiCacheController(
             self.allocator, self.host, 1, None, threading.Event(), write_policy="write_through", io_backend="direct"
         )
-        self.copies = DeferredCopies()
-        self._installed = self.copies.installed()
-        self._installed.__enter__()
 
     def fill(self, slots: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
         """Write KV into ``slots`` of every layer; returns what was written, per buffer."""
@@ -124,3 +114,20 @@ class HiCacheStack:
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _host_pool(cls: Any, pool: Any, size: int, layers: int) -> Any:
+    """HiCache's host pool over ``pool``: twice its size, layer-first, unpinned.
+
+    NOTE: SGLang up to 0.5.22 builds it from the device pool itself (``device_pool``); 0.5.23 from the
+    pool's buffer description (``MHATokenToKVPool._mha_buffer_info``) with the device capacity
+    and layer range spelled out. The first parameter's name says which constructor this is.
+    """
+    common = dict(pin_memory=False, device="cpu")
+    first = list(inspect.signature(cls.__init__).parameters)[1]
+    if first == "device_pool":
+        return cls(pool, 2.0, 0, 1, "layer_first", **common)
+    return cls(
+        pool._mha_buffer_info(), 2.0, 0, 1, "layer_first", **common,
+        device_capacity_tokens=size, start_layer=0, end_layer=layers - 1,
+    )  # fmt: skip

@@ -40,34 +40,13 @@ OUR_SPEC = ("KvcachedCPUOffloadingSpec", "kvcached.vllm.offload.cpu")
 
 def tested(version: str) -> bool:
     """Whether ``version`` is a release kvcached was tested on (``patches.TESTED``)."""
-    return ".".join(map(str, patches.release(version))) in patches.TESTED
+    return patches.VLLM.is_tested(version)
 
 
 def check_vllm_version(version: str, *, strict: bool = False) -> str | None:
-    """Refuse a vLLM older than the oldest tested, and under ``strict``
-    (``KVCACHED_STRICT_VERSIONS=1``) any untested one; for an untested one otherwise, the
-    warning to log (its patch targets are checked where they are installed: a missing one is
-    refused there in one line). None: a tested release."""
-    known = f"{patches.OLDEST} to {patches.NEWEST} (tested: {', '.join(patches.TESTED)})"
-    r = patches.release(version)
-    if r < patches.release(patches.OLDEST):
-        raise ConfigError(
-            f"kvcached supports vLLM {known}; this is {version}: install one of those or disable kvcached "
-            "(ENABLE_KVCACHED=0)"
-        )
-    if tested(version):
-        return None
-    if strict:
-        raise ConfigError(
-            f"kvcached was not tested on vLLM {version} and KVCACHED_STRICT_VERSIONS=1: install one of "
-            f"{', '.join(patches.TESTED)}, or unset KVCACHED_STRICT_VERSIONS"
-        )
-    which = "newer than" if r > patches.release(patches.NEWEST) else "a release between those"
-    return (
-        f"vLLM {version} is {which} kvcached was tested on ({', '.join(patches.TESTED)}; newest "
-        f"{patches.NEWEST}); every patch target is checked as it is installed (KVCACHED_STRICT_VERSIONS=1 "
-        "refuses untested releases)"
-    )
+    """``Releases.check`` for vLLM: refuse an older release (or, ``strict``, an untested one);
+    the warning to log for an untested one; None for a tested one."""
+    return patches.VLLM.check(version, strict=strict)
 
 
 def check_config(
