@@ -28,6 +28,7 @@ import msgspec
 from ..backends import cuda_visible, make_backend
 from ..backends.base import Backend
 from ..budget import Budget
+from ..engine.reserve import reserve_pages
 from ..errors import ConfigError
 from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout, Placement
 from ..ledger.events import Header, Policy
@@ -58,7 +59,11 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
     # choose a page of whole blocks near it (``page_size.choose_page``: MLA's 576-wide latent).
     page_bytes_set: bool = True
     backend: str = "auto"  # kvcached.backends.make_backend: "cuda", "host" or "auto"
+    # KVCACHED_MIN_RESERVED_PAGES, KVCACHED_MAX_RESERVED_PAGES, KVCACHED_MAX_RESERVED_BYTES: the
+    # empty pages kept mapped (kvcached.engine.reserve), as under vLLM.
+    min_reserved_pages: int = 0
     max_reserved_pages: int = 0
+    max_reserved_bytes: int = 0
     placement: Placement = Placement.WHOLE_PAGES
     journal_path: str | None = None
     # A server's: the journal written, and the live socket served (kvctl list, tail, pins, why,
@@ -166,6 +171,9 @@ class SglangEngine:
         page_cost = g.page_bytes * g.regions
         # The pages it yields down to: KVCACHED_MIN_KV_CACHE_MB's, and the padding page at least.
         self.floor_pages = max(1, -(-config.min_kv_cache_bytes // page_cost))
+        reserve = reserve_pages(
+            config.min_reserved_pages, config.max_reserved_pages, config.max_reserved_bytes, page_cost
+        )
         if config.budget is not None:
             self.budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
         self.service: BackgroundService | None = None
@@ -189,7 +197,8 @@ class SglangEngine:
                 g,
                 self.backend,
                 self.recorder,
-                max_reserved=config.max_reserved_pages,
+                min_reserved=reserve[0],
+                max_reserved=reserve[1],
                 placement=config.placement,
                 budget=self.budget,
             )

@@ -34,6 +34,7 @@ import msgspec
 
 from ...backends.base import Backend
 from ...budget import Budget
+from ...engine.reserve import reserve_pages
 from ...errors import ConfigError, KvcachedError
 from ...kv_cache_manager import KVCacheManager, KVGeometry, Placement
 from ...ledger.events import Header, Policy
@@ -109,10 +110,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def reserve_pages(self, page_cost: int) -> tuple[int, int]:
         """The reserve's bounds in pages, the byte bound applied (a page costs ``page_cost``)."""
-        hi = self.max_reserved_pages
-        if self.max_reserved_bytes:
-            hi = min(hi, self.max_reserved_bytes // page_cost)
-        return min(self.min_reserved_pages, hi), hi
+        return reserve_pages(self.min_reserved_pages, self.max_reserved_pages, self.max_reserved_bytes, page_cost)
 
 
 class Engine:
