@@ -46,7 +46,7 @@ def test_the_size_comes_from_the_config_or_from_the_api_server(monkeypatch: pyte
 def _found(index: int, size: int) -> engines.Found:
     info = EngineInfo(
         model="tiny", pid=100 + index, api_pid=99, port=8000, socket=f"/r/ledger-{100 + index}.dp{index}.sock",
-        started_unix=0.0, policy="ledger", vllm="0.32.0", kvcached="-", index=index, data_parallel=size,
+        started_unix=0.0, policy="ledger", engine="vLLM 0.32.0", kvcached="-", index=index, data_parallel=size,
     )
     journal = JournalStatus(state="off", path=None, durability="flush", segment=0, segment_bytes=0,
                             events_written=0, events_durable=0, snapshot_index=None, error=None)

@@ -139,7 +139,7 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     eng = Engine()
     eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]
     info = messages.EngineInfo(model="tiny-llama", pid=os.getpid(), api_pid=None, port=8123, socket=sock,
-                               started_unix=0.0, policy="ledger", vllm="-", kvcached="-")
+                               started_unix=0.0, policy="ledger", engine="vLLM -", kvcached="-")
     bg.service.control = CONTROLS[sock] = LiveControl(eng, info, PAGE)  # type: ignore[arg-type]
     try:
         yield sock, manager

@@ -111,7 +111,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     socket: str
     started_unix: float
     policy: str
-    vllm: str
+    engine: str  # the serving engine and its release: "vLLM 0.34.0", "SGLang 0.5.23"
     kvcached: str
     budget: str | None = None
     # vLLM's engine index (its data-parallel rank, as ``PrometheusStatLogger`` labels its own series
@@ -121,6 +121,11 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     backend: str = ""  # the memory backend: cuda or host
     page_size: int = 0  # bytes of one page of one layer (KVCACHED_PAGE_SIZE_MB)
     compiled: bool = False  # the hot path runs mypyc-compiled
+
+    @property
+    def release(self) -> str:
+        """The engine's release alone: ``"0.34.0"`` of ``"vLLM 0.34.0"``."""
+        return self.engine.rsplit(" ", 1)[-1]
 
 
 class BudgetStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -133,7 +133,7 @@ def engine_info(
         socket=socket,
         started_unix=time.time(),
         policy=policy,
-        vllm=f"sglang {sglang}",
+        engine=f"SGLang {sglang}",
         kvcached=KVCACHED_VERSION,
         budget=budget,
         backend=backend,

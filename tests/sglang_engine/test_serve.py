@@ -205,7 +205,7 @@ def test_kvctl_lists_and_limits_a_served_sglang_engine(tmp_path: Path) -> None:
 
         (listed,) = kvctl("list")
         status = listed["status"]
-        assert status["engine"]["vllm"] == f"sglang {sglang_version()}" and status["engine"]["model"] == str(model)
+        assert status["engine"]["engine"] == f"SGLang {sglang_version()}" and status["engine"]["model"] == str(model)
         mapped = status["memory"]["mapped_pages"]
         page = status["memory"]["page_bytes"]
         assert mapped >= 2

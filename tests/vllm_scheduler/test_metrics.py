@@ -51,7 +51,7 @@ def _engine(
     path = str(folder / f"ledger-{index}.sock")
     info = messages.EngineInfo(
         model="tiny", pid=1000 + index, api_pid=api_pid, port=8000, socket=path, started_unix=0.0, policy="ledger",
-        vllm="0.32.0", kvcached="9.9", index=index, backend="host", page_size=PAGE, compiled=True,
+        engine="vLLM 0.32.0", kvcached="9.9", index=index, backend="host", page_size=PAGE, compiled=True,
         budget=budget.name if budget else None,
     )
     memory = messages.MemoryStatus(

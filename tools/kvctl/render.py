@@ -127,7 +127,7 @@ def status_rows(s: messages.StatusReply) -> list[tuple[str, str]]:
     if e is not None:
         port = f", port {e.port}" if e.port is not None else ""
         rank = f", data-parallel rank {e.index} of {e.data_parallel}" if e.data_parallel > 1 else ""
-        rows.append(("engine", f"{e.model}, pid {e.pid}{port}{rank}, vLLM {e.vllm}, kvcached {e.kvcached}"))
+        rows.append(("engine", f"{e.model}, pid {e.pid}{port}{rank}, {e.engine}, kvcached {e.kvcached}"))
     m = s.memory
     if m is not None:
         rows.append(("memory", memory_line(m)))

@@ -337,8 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ModuleNotFoundError as e:
             if e.name is None or e.name.split(".")[0] not in _ENGINE_DEPS:
                 raise
+            from kvcached.sglang.hooks import SGLANG
+            from kvcached.vllm.patches import VLLM
+
             if getattr(args, "engine", "vllm") == "sglang":
-                need = "SGLang 0.5.23 (scripts/_env.sh's ensure_sglang_env makes .venv-sglang)"
+                need = f"SGLang {SGLANG.oldest} to {SGLANG.newest} (scripts/_env.sh's ensure_sglang_env: .venv-sglang)"
                 print(
                     f"kvsim: --engine sglang drives SGLang's own classes, and this environment has no "
                     f"{e.name}: run it in {need}",
@@ -347,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return kvcli.FAILED
             print(
                 f"kvsim: it drives vLLM's real scheduler, and this environment has no {e.name}: "
-                "install vLLM 0.33.0 here (pip install vllm==0.33.0, which brings torch)",
+                f"install vLLM {VLLM.newest} here (pip install vllm=={VLLM.newest}, which brings torch)",
                 file=sys.stderr,
             )
             return kvcli.FAILED

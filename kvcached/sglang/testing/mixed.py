@@ -95,7 +95,7 @@ def _engine_pids(runtime: Path, a: Server) -> dict[str, int]:
     pids = {"A": elastic.engine_pid(runtime, a)}
     for e in elastic.kvctl(runtime, "list", "--json"):
         engine = (e.get("status") or {}).get("engine") or {}
-        if str(engine.get("vllm", "")).startswith("sglang"):
+        if str(engine.get("engine", "")).startswith("SGLang "):
             pids["B"] = int(e["status"]["pid"])
     if "B" not in pids:
         raise RuntimeError("kvctl list shows no SGLang engine")

@@ -186,7 +186,7 @@ class Collector:
             lv = [eng.model, str(eng.index)]
             info.add_metric([*lv, eng.kvcached, eng.policy, eng.backend, str(eng.page_size),
                              "true" if eng.compiled else "false", str(eng.pid), eng.socket, eng.budget or "",
-                             eng.vllm, "true" if _tested(eng.vllm) else "false"], 1)
+                             eng.release, "true" if _tested(eng.release) else "false"], 1)
             up.add_metric(lv, 0 if st is None else 1)
             if st is None:
                 continue

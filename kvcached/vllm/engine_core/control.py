@@ -151,7 +151,8 @@ def engine_info(
     return EngineInfo(
         model=model, pid=os.getpid(), api_pid=int(api) if api and api.isdigit() else None,
         port=int(port) if port and port.isdigit() else None, socket=socket, started_unix=time.time(),
-        policy=policy, vllm=versions.get("vllm", "?"), kvcached=versions.get("kvcached", "?"), budget=budget,
+        policy=policy, engine=f"vLLM {versions.get('vllm', '?')}", kvcached=versions.get("kvcached", "?"),
+        budget=budget,
         index=engine_index(scheduler), data_parallel=data_parallel_size(scheduler), backend=backend,
         page_size=page_size, compiled=compiled,
     )
