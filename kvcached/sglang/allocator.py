@@ -28,15 +28,16 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages
 
+from ..errors import ConfigError
+from .boundary import refusing
 from .engine import SglangEngine, engine_of
 
 
 def _engine_over(kvcache: Any, page_size: int) -> SglangEngine:
     """The engine under ``kvcache``, for an allocator of ``page_size`` slots a page."""
-    # A SystemExit: raised in SGLang's scheduler process, whose loader logs an exception's traceback.
     engine = engine_of(kvcache)
     if engine is None:
-        raise SystemExit(
+        raise ConfigError(
             f"kvcached under SGLang: the allocator's pool, {type(kvcache).__name__}, is not one kvcached puts on "
             "pages (hybrid models' pools are not supported yet); disable kvcached (ENABLE_KVCACHED=0) for this model"
         )
@@ -45,7 +46,7 @@ def _engine_over(kvcache: Any, page_size: int) -> SglangEngine:
         # page_size 16; its server never does (ModelRunner builds both from --page-size). The
         # engine's blocks are the pool's pages, so such an allocator would hand out page ids as
         # slot indices: wrong KV rows, silently. Refused instead.
-        raise SystemExit(
+        raise ConfigError(
             f"kvcached under SGLang: an allocator of page size {page_size} over a {type(kvcache).__name__} of page "
             f"size {engine.page_size}; kvcached hands out the pool's pages, so both must use --page-size "
             f"{engine.page_size} (or disable kvcached: ENABLE_KVCACHED=0)"
@@ -57,7 +58,8 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
     """``TokenToKVPoolAllocator`` over a kvcached pool: slots are the engine's blocks."""
 
     def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
-        self._engine: SglangEngine = _engine_over(kvcache, 1)
+        with refusing():
+            self._engine: SglangEngine = _engine_over(kvcache, 1)
         super().__init__(size, dtype, device, kvcache, need_sort)
 
     def clear(self) -> None:
@@ -93,7 +95,8 @@ class KvcachedPagedAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]
     def __init__(
         self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
     ) -> None:
-        self._engine: SglangEngine = _engine_over(kvcache, page_size)
+        with refusing():
+            self._engine: SglangEngine = _engine_over(kvcache, page_size)
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
     def clear(self) -> None:

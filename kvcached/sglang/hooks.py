@@ -29,6 +29,7 @@ import msgspec
 from ..engine.releases import Releases
 from ..errors import ConfigError
 from ..ledger.events import JobKind
+from .boundary import refusing
 from .engine import ENGINE_ATTR, SglangConfig, SglangEngine, engine_of
 
 log = logging.getLogger("sglang.kvcached")
@@ -170,16 +171,12 @@ def _engine_for(pool: Any) -> SglangEngine:
         # One engine a scheduler process: its journal, its socket, its steps. A second pool is a
         # hybrid model's (SWAKVPool's two sub-pools) or a draft model's, which kvcached does not
         # take yet; refused before a second service could fight the first for its socket.
-        raise SystemExit(
+        raise ConfigError(
             f"kvcached under SGLang: this model builds a second KV pool ({type(pool).__name__} beside "
             f"{type(_served.pool).__name__}: a sliding-window, hybrid or draft model), which kvcached does not support "
             "yet; disable kvcached (ENABLE_KVCACHED=0) for this model"
         )
-    try:
-        engine = SglangEngine(pool, _config)
-    except ConfigError as e:
-        # Raised inside SGLang's scheduler process, which logs an exception with its traceback.
-        raise SystemExit(str(e) if str(e).startswith("kvcached") else f"kvcached: {e}") from None
+    engine = SglangEngine(pool, _config)
     setattr(pool, ENGINE_ATTR, engine)
     if _enabled:
         _served = engine
@@ -190,7 +187,8 @@ def _engine_for(pool: Any) -> SglangEngine:
 def _create_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
     if _config is None:
         return original(pool, *args, **kwargs)
-    engine = _engine_for(pool)
+    with refusing():
+        engine = _engine_for(pool)
     rows = pool.size + pool.page_size
     pool.k_buffer, pool.v_buffer = engine.buffers(pool.store_dtype, rows, (pool.head_num, pool.head_dim))
     return None
@@ -199,7 +197,8 @@ def _create_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
 def _create_latent_buffers(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
     if _config is None:
         return original(pool, *args, **kwargs)
-    engine = _engine_for(pool)
+    with refusing():
+        engine = _engine_for(pool)
     pool.kv_buffer = engine.region_views(pool.store_dtype, pool.size + pool.page_size, (1, pool.kv_cache_dim))
     return None
 
@@ -229,7 +228,8 @@ def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     engine = engine_of(allocator)
     if engine is not None:
         if not engine.allocator_checked:
-            _check_allocator(allocator)
+            with refusing():
+                _check_allocator(allocator)
             engine.allocator_checked = True
         engine.bridge.hold_frees = bool(getattr(scheduler, "enable_overlap", False))
         control = engine.control
@@ -251,7 +251,7 @@ def _check_allocator(allocator: Any) -> None:
     from .allocator import KvcachedPagedAllocator, KvcachedTokenAllocator
 
     if not isinstance(allocator, (KvcachedTokenAllocator, KvcachedPagedAllocator)):
-        raise SystemExit(
+        raise ConfigError(
             f"kvcached under SGLang: the scheduler allocates with {type(allocator).__qualname__}, not kvcached's "
             "allocator (a platform's own paged allocator?); disable kvcached for this server"
         )

@@ -8,18 +8,18 @@ returns at once and SGLang runs as shipped. With it, the settings are upstream k
 variables (``settings.Settings``), the patch table is checked and the hooks installed
 (``hooks.enable``). A malformed setting or an SGLang whose targets moved ends the process with
 one line: ``load_plugins`` logs an ``Exception`` with its traceback and goes on, so the refusal
-is a ``SystemExit``, which it lets through.
+is a ``SystemExit``, which it lets through (``refuse``; the hooks and the allocator refuse the
+same way where SGLang calls them, ``refusing``).
 """
 
 from __future__ import annotations
-
-from typing import NoReturn
 
 from ..errors import ConfigError
 from ..kv_cache_manager import Placement
 from ..service.config import service_config
 from ..service.live import default_socket_path
 from ..settings import Settings
+from .boundary import refuse
 from .engine import SglangConfig
 
 _installed: SglangConfig | None = None
@@ -59,9 +59,5 @@ def register() -> None:
 
         hooks.enable(config)
     except ConfigError as e:
-        _refuse(str(e))
+        refuse(e)
     _installed = config
-
-
-def _refuse(message: str) -> NoReturn:
-    raise SystemExit(message if message.startswith("kvcached") else f"kvcached: {message}")

@@ -58,14 +58,15 @@ def test_enabled_at_a_page_size_above_one_the_paged_allocator_is_kvcached() -> N
 def test_a_bad_setting_or_page_size_is_refused_in_one_line() -> None:
     bad = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_LEDGER_POLICY": "sometimes"})
     assert bad.returncode != 0
-    assert bad.stderr.strip().splitlines()[-1].startswith("kvcached: KVCACHED_LEDGER_POLICY")
+    assert bad.stderr.strip().splitlines()[-1].startswith("[kvcached] refused: KVCACHED_LEDGER_POLICY")
     assert "Traceback" not in bad.stderr
     # SGLang pages of 3 slots (192 bytes a region) do not tile a 2 MiB page.
     odd = _probe({"ENABLE_KVCACHED": "1", "KVCACHED_BACKEND": "host", "KVCACHED_PAGE_SIZE_MB": "2"}, page_size=3)
     assert odd.returncode != 0
     last = odd.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        "kvcached under SGLang: a KV block (3 token(s) x 2 heads x 8 x torch.float32) takes 192 B, which does not "
+        "[kvcached] refused: kvcached under SGLang: a KV block (3 token(s) x 2 heads x 8 x torch.float32) takes "
+        "192 B, which does not "
         "divide the 2 MiB page KVCACHED_PAGE_SIZE_MB sets; set KVCACHED_PAGE_SIZE_MB=2.00390625 or 1.9921875"
     ), last
     assert "Traceback" not in odd.stderr
@@ -94,7 +95,8 @@ def test_a_hybrid_models_second_pool_is_refused_in_one_line(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", HYBRID], capture_output=True, text=True, env=full, timeout=300)
     assert done.returncode != 0 and "built" not in done.stdout
     assert done.stderr.strip().splitlines()[-1] == (
-        "kvcached under SGLang: this model builds a second KV pool (MHATokenToKVPool beside MHATokenToKVPool: a "
+        "[kvcached] refused: kvcached under SGLang: this model builds a second KV pool (MHATokenToKVPool beside "
+        "MHATokenToKVPool: a "
         "sliding-window, hybrid or draft model), which kvcached does not support yet; disable kvcached "
         "(ENABLE_KVCACHED=0) for this model"
     ), done.stderr[-2000:]
