@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -174,25 +175,25 @@ class SglangEngine:
         reserve = reserve_pages(
             config.min_reserved_pages, config.max_reserved_pages, config.max_reserved_bytes, page_cost
         )
-        if config.budget is not None:
-            self.budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
         self.service: BackgroundService | None = None
-        try:
-            if self.budget is not None:
-                self.budget.join(self.floor_pages * page_cost, config.join_wait_s)
+        # NOTE: opened in this order and closed in the reverse one (the journal and its service
+        # first, then the pages, then the share of the budget), whether the engine is closed or
+        # its start fails half-way: whatever was opened is closed.
+        with ExitStack() as opening:
+            if config.budget is not None:
+                budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
+                self.budget = budget
+                opening.callback(budget.close)
+                budget.join(self.floor_pages * page_cost, config.join_wait_s)
+            self.backend: Backend = make_backend(config.backend, page_bytes=g.page_bytes)
+            opening.callback(self.backend.close)
             if config.journal_service is not None:
-                self.service = BackgroundService.start(header, config.journal_service)
-                self.recorder = Recorder(Ledger(header), sink=self.service.producer)
+                self.service = service = BackgroundService.start(header, config.journal_service)
+                opening.callback(service.close)
+                self.recorder = Recorder(Ledger(header), sink=service.producer)
             else:
                 self.recorder = Recorder.for_header(header, journal_path=config.journal_path)
-            self.backend: Backend = make_backend(config.backend, page_bytes=g.page_bytes)
-        except BaseException:
-            if self.service is not None:
-                self.service.close()
-            if self.budget is not None:
-                self.budget.close()
-            raise
-        try:
+            opening.callback(self.recorder.close)
             self.manager = KVCacheManager(
                 g,
                 self.backend,
@@ -206,9 +207,7 @@ class SglangEngine:
             # and a partial last page, which SGLang never hands out.
             self.manager.take([0, *range(pool.size // self.page_size + 1, g.num_blocks)])
             self.manager.drain_releasable()  # the lease the count took, back to the budget
-        except BaseException:
-            self.close()
-            raise
+            self._closing = opening.pop_all()
         self.bridge = Bridge(self.recorder, self.manager, pool, self.page_size)
         self.control: SglangControl | None = None  # a served engine's (kvctl)
         self.allocator_checked = False  # hooks._step: the scheduler's allocator is kvcached's
@@ -295,20 +294,11 @@ class SglangEngine:
 
     def close(self) -> None:
         """The journal (and the service), then the pages, then this engine's share of the
-        budget; once."""
+        budget; once. Each is closed even if one before it raises."""
         if self.closed:
             return
         self.closed = True
-        try:
-            self.recorder.close()
-            if self.service is not None:
-                self.service.close()
-        finally:
-            try:
-                self.backend.close()
-            finally:
-                if self.budget is not None:
-                    self.budget.close()
+        self._closing.close()
 
 
 def engine_of(obj: Any) -> SglangEngine | None:
