@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -318,70 +319,55 @@ def assemble(
     page_cost = page_cost_of(geometry, backends)
     lo, hi = config.reserve_pages(page_cost)
     budget = None
-    if config.budget is not None:
-        budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
-        if config.join_floor_pages:
-            try:
-                waited = budget.join(config.join_floor_pages * page_cost, config.join_wait_s)
-            except BaseException:
-                budget.close()
-                raise
-            if waited:
-                log.info(
-                    "[kvcached] budget %s: waited %.2f s for the others to give back this engine's floor",
-                    config.budget,
-                    waited,
-                )
-    # NOTE: with a page log the backends only decide; the workers unmap when the batch reaches
-    # them, so the budget gets an unmap's bytes back then (step_channel's module docstring).
-    deferred = DeferredRelease(budget, page_log) if budget is not None and page_log is not None else None
     service = None
-    try:
+    # NOTE: opened in this order; a start that fails half-way closes what it opened in the
+    # reverse one (the journal, its service, the share of the budget), as Engine.close does.
+    with ExitStack() as opening:
+        if config.budget is not None:
+            budget = Budget.open(config.budget, config.budget_bytes or None, directory=config.budget_dir)
+            opening.callback(budget.close)
+            if config.join_floor_pages:
+                waited = budget.join(config.join_floor_pages * page_cost, config.join_wait_s)
+                if waited:
+                    log.info(
+                        "[kvcached] budget %s: waited %.2f s for the others to give back this engine's floor",
+                        config.budget,
+                        waited,
+                    )
+        # NOTE: with a page log the backends only decide; the workers unmap when the batch reaches
+        # them, so the budget gets an unmap's bytes back then (step_channel's module docstring).
+        deferred = DeferredRelease(budget, page_log) if budget is not None and page_log is not None else None
         if config.journal_service is not None:
             service = BackgroundService.start(header, config.journal_service)
-    except BaseException:
-        if budget is not None:
-            budget.close()
-        raise
-    try:
+            opening.callback(service.close)
         if service is not None:
             recorder = Recorder(Ledger(header), sink=service.producer)
         elif config.journal_path is not None:
             recorder = Recorder(Ledger(header), JournalWriter.create(config.journal_path, header))
         else:
             recorder = Recorder(Ledger(header))
-        try:
-            manager = None
-            if config.page_aware:
-                manager = KVCacheManager(
-                    geometry,
-                    backends[0],
-                    recorder,
-                    replicas=backends[1:],
-                    min_reserved=lo,
-                    max_reserved=hi,
-                    budget=deferred or budget,
-                    placement=config.placement,
-                )
-            bridge = install_bridge(scheduler, recorder, offloading=getattr(scheduler, "connector", None) is not None)
-            pool = None
-            if manager is not None:
-                pool = install_page_aware_pool(scheduler, manager, max_cached_blocks=config.max_cached_blocks)
-                # The null block's allocation counted free blocks, which leases the budget's room
-                # (kvcached.page_allocator): give back what it did not spend, as every scheduler
-                # call's drain does, or an engine idle from its start would hold it for good.
-                manager.drain_releasable()
-        except BaseException:
-            recorder.close()
-            raise
-    except BaseException:
-        try:
-            if service is not None:
-                service.close()
-        finally:
-            if budget is not None:
-                budget.close()
-        raise
+        opening.callback(recorder.close)
+        manager = None
+        if config.page_aware:
+            manager = KVCacheManager(
+                geometry,
+                backends[0],
+                recorder,
+                replicas=backends[1:],
+                min_reserved=lo,
+                max_reserved=hi,
+                budget=deferred or budget,
+                placement=config.placement,
+            )
+        bridge = install_bridge(scheduler, recorder, offloading=getattr(scheduler, "connector", None) is not None)
+        pool = None
+        if manager is not None:
+            pool = install_page_aware_pool(scheduler, manager, max_cached_blocks=config.max_cached_blocks)
+            # The null block's allocation counted free blocks, which leases the budget's room
+            # (kvcached.page_allocator): give back what it did not spend, as every scheduler
+            # call's drain does, or an engine idle from its start would hold it for good.
+            manager.drain_releasable()
+        opening.pop_all()  # started: Engine.close closes them from now on
     engine = Engine(recorder, manager=manager, pool=pool, bridge=bridge, service=service, budget=budget)
     engine.page_log = page_log
     engine.deferred = deferred
