@@ -3,7 +3,9 @@ one package per serving engine, no import cycles."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +76,50 @@ def test_the_wings_import_the_core_never_each_other() -> None:
                 assert not bad, f"{m} imports {sorted(bad)}: a wing imports the core, never another wing"
     assert any(d.startswith("kvcached.engine") for d in edges["kvcached.sglang.hooks"])
     assert any(d.startswith("kvcached.engine") for d in edges["kvcached.vllm.patches"])
+
+
+def _modules_by_stem() -> dict[str, set[Path]]:
+    found: dict[str, set[Path]] = {}
+    for p in [*ROOT.glob("kvcached/**/*.py"), *ROOT.glob("tools/**/*.py")]:
+        found.setdefault(p.stem, set()).add(p.parent)
+    return found
+
+
+def _package_docs() -> list[tuple[Path, str, set[str]]]:
+    """Each package's ``__init__``: its path, its docstring, the modules and packages in it."""
+    import ast
+
+    out = []
+    for init in [*ROOT.glob("kvcached/**/__init__.py"), *ROOT.glob("tools/**/__init__.py")]:
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        here = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        out.append((init, doc, here))
+    return out
+
+
+def test_a_package_docstring_names_only_modules_it_has() -> None:
+    """A package's docstring describes today's layout: a module it names as ``name`` is one of
+    its own, not one that moved to another package (written with its package there)."""
+    stems = _modules_by_stem()
+    stray = [
+        f"{init.relative_to(ROOT)} names ``{tok}``, which is in {sorted(str(d.relative_to(ROOT)) for d in stems[tok])}"
+        for init, doc, here in _package_docs()
+        for tok in re.findall(r"``([a-z_][a-z0-9_]*)``", doc)
+        if tok in stems and tok not in here
+    ]
+    assert not stray, stray
+
+
+def test_each_testing_package_has_a_face_naming_what_is_there() -> None:
+    """``__all__`` in each scaffolding package, every name in it a module there or defined there."""
+    for init, _, here in _package_docs():
+        if init.parent.name != "testing":
+            continue
+        module = importlib.import_module(".".join(init.parent.relative_to(ROOT).parts))
+        face = getattr(module, "__all__", None)
+        assert face, f"{init.relative_to(ROOT)} has no __all__"
+        missing = [n for n in face if n not in here and not hasattr(module, n)]
+        assert not missing, (init, missing)
 
 
 def test_the_ledger_core_imports_only_msgspec_and_the_standard_library() -> None:

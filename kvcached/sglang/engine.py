@@ -14,7 +14,7 @@ The same core serves vLLM: ``KVCacheManager`` chooses blocks and records every a
 the ledger decides what may be unmapped, the journal has the format ``kvreplay`` reads. What is
 SGLang's here is the geometry (read from the pool's own fields) and the header's producer, which
 names SGLang and its version, so that a reader knows which engine wrote a trace
-(``events.engine_name``).
+(``Header.producer``, which ``kvreplay show`` prints).
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
-"""Scaffolding for tests, benchmarks, ``kvreplay demo`` and the main job: never imported when serving.
+"""Scaffolding both engines' tests share: never imported when serving.
 
-A ``vllm serve`` process loads ``kvcached.vllm``, ``kvcached.vllm.engine_core``, the core and the
-ledger; nothing there imports this package (``tests/test_layout.py`` holds that line). What
-lives here drives vLLM's real ``Scheduler`` and ``OffloadingConnector`` with a model stand-in
-(``harness``, ``stand_in``, ``vllm_scenarios``), builds kvcached PR #598's cases as event sequences
-(``seed_cases``) and synthetic workloads (``synth``), and starts real servers of a tiny llama
-for the end-to-end tests and the demo (``tiny_model``, ``e2e``, ``demo``). It is installed
-with the package because ``kvreplay demo``, ``kvreplay make`` and the benchmarks use it; the
-server harness and the demo need the ``testing`` extra (psutil, rich).
+A served engine loads its wing (``kvcached.vllm`` or ``kvcached.sglang``), the core and the
+ledger; nothing there imports a ``testing`` package (``tests/test_layout.py`` holds that line).
+Here: kvcached PR #598's cases as event sequences (``seed_cases``), synthetic workloads
+(``synth``), the model stand-in whose KV bytes say which token wrote them (``stand_in``), and
+tiny random models made on the spot (``tiny_model``: a llama; ``tiny_kinds``: every model kind
+of PR #598's GPU matrix). Each engine's own scaffolding is in its wing: ``kvcached.vllm.testing``
+(vLLM's real scheduler driven on a CPU, served scenarios, the main job, kvsim's engine) and
+``kvcached.sglang.testing``. It is installed with the package because ``kvreplay demo``,
+``kvreplay make`` and the benchmarks use it; the server harness and the demo need the
+``testing`` extra (psutil, rich).
 """
+
+__all__ = ["seed_cases", "stand_in", "synth", "tiny_kinds", "tiny_model"]

@@ -8,7 +8,7 @@ here), ``cpu_platform`` (SGLang's CPU device operations as an out-of-tree platfo
 
 from __future__ import annotations
 
-__all__ = ["gpu_only"]
+__all__ = ["copies", "cpu_platform", "gpu_only", "mixed", "scenarios", "serve", "server", "sim", "stack"]
 
 
 def gpu_only() -> str | None:
