@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvcached.version import KVCACHED_VERSION
+from kvcached.vllm.patches import VLLM
 
 GOLDEN = sorted((Path(__file__).parent.parent / "traces").glob("*.kvj"))[0]
 
@@ -107,7 +108,7 @@ def test_plot_without_matplotlib_says_which_extra(tmp_path: Path) -> None:
 def test_kvsim_without_vllm_is_one_line_exit_1() -> None:
     r = tool("kvsim", "run", "--seeds", "1", prelude="sys.modules['vllm'] = None; ")
     assert r.returncode == 1 and r.stdout == "", r
-    assert len(r.stderr.splitlines()) == 1 and "install vLLM 0.33.0" in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and f"install vLLM {VLLM.newest}" in r.stderr
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvcached.vllm.patches import VLLM
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
 assert _spec is not None and _spec.loader is not None
@@ -214,4 +216,4 @@ def test_kvsim_without_vllm_says_what_to_install_in_one_line() -> None:
     code = "import sys; sys.modules['vllm'] = None; from kvsim.cli import main; sys.exit(main(['run', '--seeds', '1']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 1, done.stderr
-    assert done.stderr.count("\n") == 1 and "install vLLM 0.34.0" in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and f"install vLLM {VLLM.newest}" in done.stderr and "Traceback" not in done.stderr
