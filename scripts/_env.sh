@@ -82,7 +82,7 @@ vllm_install() {
             rm -f "$req"
             return $rc
             ;;
-        0.32.0)
+        0.30.0 | 0.31.0 | 0.32.0)
             # Its torch pin (2.13.0) is met by this machine's on-disk CPU wheel, beside which PyPI's
             # torchvision 0.28.0 and torchaudio (CUDA builds) do not load ("operator torchvision::nms does not
             # exist") and break vLLM's imports; nothing kvcached runs uses them.

@@ -47,7 +47,7 @@ CONNECTOR_MODULE: Final = "kvcached.vllm.engine_core.connector"
 # The vLLM releases every target below was read in and tested on, oldest first. The API server
 # refuses an older one; a newer one serves, with a warning, where every target it needs is there
 # (``api_server.checks.check_vllm_version``).
-TESTED: Final = ("0.32.0", "0.33.0", "0.34.0")
+TESTED: Final = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 VLLM: Final = Releases("vLLM", TESTED)
 OLDEST: Final = VLLM.oldest
 NEWEST: Final = VLLM.newest

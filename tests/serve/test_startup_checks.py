@@ -47,7 +47,7 @@ def test_supported_setups_pass(model: str) -> None:
 @pytest.mark.parametrize(
     ("kw", "version", "settings", "needle"),
     [
-        ({}, "0.31.2", {}, "supports vLLM 0.32.0 to 0.34.0 .*this is 0.31.2"),
+        ({}, "0.29.1", {}, "supports vLLM 0.30.0 to 0.34.0 .*this is 0.29.1"),
         (_offload({**OURS, "spec_name": "CPUOffloadingSpec"}), "0.32.0", {}, "spec_name"),
         (_offload({**OURS, "canonical_layout": True}), "0.32.0", {}, "canonical_layout"),
         (_offload({}, connector="LMCacheConnectorV1"), "0.32.0", {}, "OffloadingConnector as the only KV connector"),

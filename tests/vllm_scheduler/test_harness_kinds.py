@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvcached.vllm.patches import VLLM
 from kvcached.vllm.testing import scenarios
 from kvcached.vllm.testing.harness import Harness, HarnessConfig
 from kvcached.vllm.testing.kv_specs import KINDS
@@ -107,10 +108,13 @@ def test_a_wrong_state_block_is_caught() -> None:
 def test_vllm_refuses_other_mamba_cache_modes_with_prefix_caching(mode: str, refusal: str) -> None:
     import vllm
 
-    if mode == "none" and vllm.__version__.startswith("0.32."):
-        # 0.33's MambaManager.__init__ asserts this; 0.32.0's has no such assert and builds the
-        # scheduler with prefix caching on and mamba_cache_mode='none' (kvsim draws align only).
-        pytest.skip("vLLM 0.32.0's MambaManager does not refuse mamba_cache_mode='none' with prefix caching")
+    release = VLLM.parse(vllm.__version__)
+    if mode == "none" and release < VLLM.parse("0.33.0"):
+        # 0.33's MambaManager.__init__ asserts this; earlier ones have no such assert and build
+        # the scheduler with prefix caching on and mamba_cache_mode='none' (kvsim draws align only).
+        pytest.skip(f"vLLM {vllm.__version__}'s MambaManager accepts mamba_cache_mode='none' with prefix caching")
+    if mode == "all" and release < VLLM.parse("0.32.0"):
+        pytest.skip(f"vLLM {vllm.__version__} still has mamba_cache_mode='all' (0.32 removed it)")
     with pytest.raises(Exception, match=refusal):
         Harness(HarnessConfig(kind="qwen3-next", num_layers=1, mamba_cache_mode=mode))
 

@@ -50,13 +50,32 @@ def _engine(
 ) -> BackgroundService:
     path = str(folder / f"ledger-{index}.sock")
     info = messages.EngineInfo(
-        model="tiny", pid=1000 + index, api_pid=api_pid, port=8000, socket=path, started_unix=0.0, policy="ledger",
-        engine="vLLM 0.32.0", kvcached="9.9", index=index, backend="host", page_size=PAGE, compiled=True,
+        model="tiny",
+        pid=1000 + index,
+        api_pid=api_pid,
+        port=8000,
+        socket=path,
+        started_unix=0.0,
+        policy="ledger",
+        engine="vLLM 0.32.0",
+        kvcached="9.9",
+        index=index,
+        backend="host",
+        page_size=PAGE,
+        compiled=True,
         budget=budget.name if budget else None,
     )
     memory = messages.MemoryStatus(
-        page_bytes=PAGE * 4, num_pages=10, mapped_pages=6, in_use_pages=3, reserved_pages=3, limit_pages=5,
-        shrink_pending=True, waiting_on={"reserved, pinned by job": 1}, reason="shrink pending", held_pages=1,
+        page_bytes=PAGE * 4,
+        num_pages=10,
+        mapped_pages=6,
+        in_use_pages=3,
+        reserved_pages=3,
+        limit_pages=5,
+        shrink_pending=True,
+        waiting_on={"reserved, pinned by job": 1},
+        reason="shrink pending",
+        held_pages=1,
         budget=budget,
     )
     bg = BackgroundService.start(synth.header(), ServiceConfig(socket=path))
@@ -97,13 +116,20 @@ def test_series_join_vllm_s_labels_start_at_zero_and_partition_the_pages(folder:
     assert all(set(lv) == {"model_name", "engine"} and lv["model_name"] == "tiny" for lv, _ in up)
     (info, _), _ = got["vllm:kvcached_info"]
     assert {k: info[k] for k in ("version", "policy", "backend", "page_bytes", "compiled", "pid", "budget")} == {
-        "version": "9.9", "policy": "ledger", "backend": "host", "page_bytes": str(PAGE), "compiled": "true",
-        "pid": "1000", "budget": "gpu0"}
+        "version": "9.9",
+        "policy": "ledger",
+        "backend": "host",
+        "page_bytes": str(PAGE),
+        "compiled": "true",
+        "pid": "1000",
+        "budget": "gpu0",
+    }
     assert (info["vllm_version"], info["tested"]) == ("0.32.0", "true")
     # A series per invariant and engine from the first scrape, each at 0.
     violations = got["vllm:kvcached_violations_total"]
     assert sorted((lv["engine"], lv["invariant"]) for lv, _ in violations) == sorted(
-        (e, inv) for e in ("0", "1") for inv in INVARIANTS)
+        (e, inv) for e in ("0", "1") for inv in INVARIANTS
+    )
     assert {v for _, v in violations} == {0.0}
     # One label's values partition the engine's pages: 3 in use, 1 pinned, 2 reserved, 4 unmapped.
     states = {lv["state"]: v for lv, v in got["vllm:kvcached_pages"] if lv["engine"] == "0"}

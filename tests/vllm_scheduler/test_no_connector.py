@@ -38,8 +38,7 @@ def engine(close: bool) -> tuple[SimpleNamespace, KVCacheManager, list]:  # type
         if held:
             pool.free_blocks(held.pop())
 
-    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None,
-                                schedule=schedule)
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool), connector=None, schedule=schedule)
     bridge = install_bridge(scheduler, m.recorder, offloading=False)
     wrapper = install_page_aware_pool(scheduler, m)
     if close:

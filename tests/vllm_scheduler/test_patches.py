@@ -182,16 +182,18 @@ def test_vllm_builds_kvcacheds_connector_through_its_factory_and_a_bridge_needs_
     assert ktc.kv_connector_module_path == patches.CONNECTOR_MODULE == ours.__name__
     _check_connector(ktc, on_cpu=False)  # kvcached's own module passes the startup checks
     with pytest.raises(ConfigError, match=r"kv_connector_module_path names elsewhere\.mod"):
-        _check_connector(SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path="elsewhere.mod"),
-                         on_cpu=False)
+        _check_connector(
+            SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path="elsewhere.mod"), on_cpu=False
+        )
     with Harness(HarnessConfig(kvcached_connector=True)) as h:
         c = h.scheduler.connector
         assert type(c) is ours.OffloadingConnector and type(c).__name__ == "OffloadingConnector"
         assert isinstance(c, OffloadingConnector) and c.kvcached_bridge is None
     with Harness(HarnessConfig(kvcached_connector=False)) as h:
         assert type(h.scheduler.connector) is OffloadingConnector  # vLLM's own: no bridge goes on it
-        m = KVCacheManager.standalone(KVGeometry(num_blocks=64, block_bytes=4096, page_bytes=16384),
-                                      HostBackend(page_bytes=16384))
+        m = KVCacheManager.standalone(
+            KVGeometry(num_blocks=64, block_bytes=4096, page_bytes=16384), HostBackend(page_bytes=16384)
+        )
         with pytest.raises(ConfigError) as e:
             install_bridge(h.scheduler, m.recorder)
         assert "\n" not in str(e.value) and patches.CONNECTOR_MODULE in str(e.value)

@@ -163,6 +163,11 @@ def allocate(
             kv_caches.update((name, buf) for name in tensor.layers)
             continue
         kernel = kernel_block_sizes[group_id] if kernel_block_sizes and group_id < len(kernel_block_sizes) else None
+        # NOTE: vLLM 0.30 and 0.31's MLA specs may name a storage block size, which their
+        # allocate_kv_cache views the cache with in place of the kernel's; 0.32 dropped the field.
+        storage = getattr(spec, "storage_block_size", None)
+        if storage is not None:
+            kernel = storage
         views = create_kv_cache_views(
             buf, spec, kv_cache_config.num_blocks_of(tensor), layout, placed, kernel_block_size=kernel
         )
