@@ -129,11 +129,12 @@ def check(*, strict: bool = False) -> str | None:
     """Refuse, in one line, an SGLang older than the oldest tested (or, ``strict``, any untested
     one) or one that lacks a target of its release (nothing is changed before); the warning to
     log for an untested release that has them all, else None."""
-    version = _version()
+    return _check(_version(), strict=strict)
+
+
+def _check(version: str, *, strict: bool) -> str | None:
     untested = SGLANG.check(version, strict=strict) if version != _UNKNOWN else None
-    for p in (*PATCHES, *CALLED):
-        if version != _UNKNOWN and not p.holds_for(version):
-            continue
+    for p in _holding((*PATCHES, *CALLED), version):
         try:
             owner: Any = importlib.import_module(p.module)
             if p.owner is not None:
@@ -148,6 +149,11 @@ def check(*, strict: bool = False) -> str | None:
 
 
 _UNKNOWN: Final = "(unknown version)"
+
+
+def _holding(rows: tuple[Patch, ...], version: str) -> list[Patch]:
+    """The rows that hold for ``version`` (all of them where SGLang's version cannot be read)."""
+    return [p for p in rows if version == _UNKNOWN or p.holds_for(version)]
 
 
 def _version() -> str:
@@ -275,11 +281,11 @@ def install(*, strict: bool = False) -> None:
     global _installed
     if _installed:
         return
-    untested = check(strict=strict)
+    version = _version()
+    untested = _check(version, strict=strict)
     if untested is not None:
         log.warning("[kvcached] %s", untested)
-    version = _version()
-    rows = [p for p in PATCHES if version == _UNKNOWN or p.holds_for(version)]
+    rows = _holding(PATCHES, version)
     around = {
         "_create_buffers_normal": _create_buffers,
         "_create_buffers": _create_latent_buffers,

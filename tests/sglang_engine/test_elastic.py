@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import msgspec
-import pytest
 
 from kvcached.ledger.events import Policy
 from kvcached.page_allocator import RETRY_SHORT_LEASE
@@ -17,14 +16,6 @@ from kvcached.sglang.testing.scenarios import config
 from kvcached.sglang.testing.stack import HiCacheStack
 
 PAGE_COST = 4096 * 4  # a page in each of 2 layers' K and V regions
-
-
-@pytest.fixture
-def stacks():
-    made: list[HiCacheStack] = []
-    yield made
-    for s in made:
-        s.close()
 
 
 def test_two_sglang_engines_share_one_budget(tmp_path, stacks) -> None:

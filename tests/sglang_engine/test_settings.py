@@ -31,14 +31,6 @@ def _config(env: dict[str, str], **machine: object) -> SglangConfig:
     )
 
 
-@pytest.fixture
-def stacks():
-    made: list[HiCacheStack] = []
-    yield made
-    for s in made:
-        s.close()
-
-
 def _reserve(stacks: list[HiCacheStack], env: dict[str, str]) -> tuple[int, int]:
     """Empty pages mapped (the padding page aside) before the first request, and once requests
     that took four pages have ended."""
