@@ -38,7 +38,8 @@ def builds_at(rev: str, tmp: str) -> dict[str, str]:
     os.makedirs(src)
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev, "kvcached", "tools", "scripts", "setup.py"],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
     os.symlink(ROOT / ".venv", os.path.join(src, ".venv"))  # the build script runs its root's mypyc

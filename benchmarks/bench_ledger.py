@@ -92,6 +92,7 @@ def child(runs: int, n_events: int) -> dict[str, object]:
         runs,
     )
     out["alloc_1"] = _per_event_us(lambda: (mapped(), [BlockAlloc(0, (b,)) for b in range(n)]), live, runs)
+
     # Jobs are built and reported in rounds of 64, as an engine keeps a bounded number of copies
     # in flight (tens, not tens of thousands, which would only measure the garbage collector
     # walking 20,000 outstanding jobs); the two kinds are timed apart.

@@ -114,17 +114,25 @@ def child(runs: int, n_events: int) -> dict[str, Any]:
             p9999.append(_pct(samples, 0.9999))
             worst.append(max(samples))
         out[f"handoff {mode}"] = {
-            "median_ns": statistics.median(med), "p99_ns": statistics.median(p99),
-            "p999_ns": statistics.median(p999), "p9999_ns": statistics.median(p9999),
-            "max_ns": statistics.median(worst), "dropped": statistics.median(drops),
+            "median_ns": statistics.median(med),
+            "p99_ns": statistics.median(p99),
+            "p999_ns": statistics.median(p999),
+            "p9999_ns": statistics.median(p9999),
+            "max_ns": statistics.median(worst),
+            "dropped": statistics.median(drops),
         }
 
     # --- journaling -----------------------------------------------------------------------
     for replica in (True, False):
         drain, e2e, e2e_drops = [], [], []
         for run in range(runs):
-            cfg = ServiceConfig(journal=journal(run), durability=Durability.INTERVAL, replica=replica,
-                                snapshot_every=0, capacity=len(trace) + 1)
+            cfg = ServiceConfig(
+                journal=journal(run),
+                durability=Durability.INTERVAL,
+                replica=replica,
+                snapshot_every=0,
+                capacity=len(trace) + 1,
+            )
             svc = LedgerService(h, cfg)
             for ev in trace:
                 svc.producer.put(ev)
@@ -138,8 +146,7 @@ def child(runs: int, n_events: int) -> dict[str, Any]:
             drain.append(len(trace) / (time.perf_counter() - s0))
             assert svc.journal_status().events_written == len(trace)
 
-            cfg = ServiceConfig(journal=journal(run), durability=Durability.INTERVAL, replica=replica,
-                                snapshot_every=0)
+            cfg = ServiceConfig(journal=journal(run), durability=Durability.INTERVAL, replica=replica, snapshot_every=0)
             bg = BackgroundService.start(h, cfg)
             put = bg.producer.put
             s0 = time.perf_counter()
@@ -155,7 +162,8 @@ def child(runs: int, n_events: int) -> dict[str, Any]:
             e2e_drops.append(bg.producer.dropped)
         key = "replica" if replica else "no replica"
         out[f"journal {key}"] = {
-            "drain_eps": statistics.median(drain), "e2e_eps": statistics.median(e2e),
+            "drain_eps": statistics.median(drain),
+            "e2e_eps": statistics.median(e2e),
             "e2e_dropped": statistics.median(e2e_drops),
         }
 
@@ -191,14 +199,19 @@ def child(runs: int, n_events: int) -> dict[str, Any]:
         whole = []
         for _ in range(3):
             s0 = time.perf_counter()
-            subprocess.run([sys.executable, "-P", "-m", "kvctl.cli", "--socket", sock, "pins"],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-P", "-m", "kvctl.cli", "--socket", sock, "pins"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             whole.append(time.perf_counter() - s0)
         stop.set()
         ticker.join()
         out["pins"] = {
-            "round_trip_ms": statistics.median(timed["trips"]) * 1e3, "round_trip_max_ms": max(timed["trips"]) * 1e3,
-            "kvctl_ms": statistics.median(timed["cli"]) * 1e3, "kvctl_process_ms": statistics.median(whole) * 1e3,
+            "round_trip_ms": statistics.median(timed["trips"]) * 1e3,
+            "round_trip_max_ms": max(timed["trips"]) * 1e3,
+            "kvctl_ms": statistics.median(timed["cli"]) * 1e3,
+            "kvctl_process_ms": statistics.median(whole) * 1e3,
         }
 
     shutil.rmtree(tmp, ignore_errors=True)
@@ -229,8 +242,10 @@ def main() -> int:
         return 0
     names = list(results)
     first = results[names[0]]
-    print(f"median of {args.runs} runs; {first['events']} events of the synthetic workload; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; timer {first['timer_ns']:.0f} ns (included)")
+    print(
+        f"median of {args.runs} runs; {first['events']} events of the synthetic workload; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; timer {first['timer_ns']:.0f} ns (included)"
+    )
     print(f"{'':44}" + "".join(f"{n:>14}" for n in names) + f"{'target':>12}")
 
     def row(label: str, get: Any, fmt: str, target: str = "") -> None:

@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{n} seeds x {len(VARIANTS)} variants in {wall:.0f} s with {args.jobs} process(es): "
-          f"{out['seeds_per_minute']} seeds/minute")
+    print(
+        f"{n} seeds x {len(VARIANTS)} variants in {wall:.0f} s with {args.jobs} process(es): "
+        f"{out['seeds_per_minute']} seeds/minute"
+    )
     print("coverage (ledger variant): " + ", ".join(f"{k} {v:,}" for k, v in out["coverage"].items()))
     for v in VARIANTS:
         checks = ", ".join(f"{c} {k}" for c, k in per[v].items() if k) or "none"

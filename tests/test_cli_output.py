@@ -51,7 +51,7 @@ def test_minimize_and_show_spell_a_job_alike(tmp_path: Path, capsys: pytest.Capt
     small = str(tmp_path / "m.kvj")
     code, out, _ = run(capsys, "minimize", str(TRACES / "finish-in-write-step.legacy.kvj"), "-o", small)
     assert code == 0
-    built = [line[line.index("JobBuilt("):] for line in out.splitlines() if "JobBuilt(" in line]
+    built = [line[line.index("JobBuilt(") :] for line in out.splitlines() if "JobBuilt(" in line]
     code, shown, _ = run(capsys, "show", small, "--job", "0", "--no-progress")
     assert code == 0 and built and built[0] in shown, (built, shown)
 
@@ -84,7 +84,9 @@ def test_demo_save_json_lists_what_it_wrote(tmp_path: Path, capsys: pytest.Captu
     code, out, _ = run(capsys, "demo", "--save", str(tmp_path), "--json", "sliding-window")
     rows = json.loads(out)
     assert code == 0 and [(r["scenario"], r["policy"]) for r in rows] == [
-        ("sliding-window", "legacy"), ("sliding-window", "ledger")]
+        ("sliding-window", "legacy"),
+        ("sliding-window", "ledger"),
+    ]
     assert all(Path(r["file"]).is_file() and r["events"] > 0 for r in rows)
     code, out, _ = run(capsys, "demo", "--save", str(tmp_path), "sliding-window")
     assert out.splitlines()[0].startswith(f"wrote {rows[0]['file']}: {rows[0]['events']} events, ")

@@ -45,14 +45,41 @@ def test_the_size_comes_from_the_config_or_from_the_api_server(monkeypatch: pyte
 
 def _found(index: int, size: int) -> engines.Found:
     info = EngineInfo(
-        model="tiny", pid=100 + index, api_pid=99, port=8000, socket=f"/r/ledger-{100 + index}.dp{index}.sock",
-        started_unix=0.0, policy="ledger", engine="vLLM 0.32.0", kvcached="-", index=index, data_parallel=size,
+        model="tiny",
+        pid=100 + index,
+        api_pid=99,
+        port=8000,
+        socket=f"/r/ledger-{100 + index}.dp{index}.sock",
+        started_unix=0.0,
+        policy="ledger",
+        engine="vLLM 0.32.0",
+        kvcached="-",
+        index=index,
+        data_parallel=size,
     )
-    journal = JournalStatus(state="off", path=None, durability="flush", segment=0, segment_bytes=0,
-                            events_written=0, events_durable=0, snapshot_index=None, error=None)
+    journal = JournalStatus(
+        state="off",
+        path=None,
+        durability="flush",
+        segment=0,
+        segment_bytes=0,
+        events_written=0,
+        events_durable=0,
+        snapshot_index=None,
+        error=None,
+    )
     handoff = HandoffStatus(capacity=1, queued=0, dropped=0, gaps=0, episodes=0)
-    status = StatusReply(pid=info.pid, uptime_s=1.0, events=0, ledger=None, journal=journal, handoff=handoff,
-                         clients=0, dropped_clients=0, engine=info)
+    status = StatusReply(
+        pid=info.pid,
+        uptime_s=1.0,
+        events=0,
+        ledger=None,
+        journal=journal,
+        handoff=handoff,
+        clients=0,
+        dropped_clients=0,
+        engine=info,
+    )
     return engines.Found(socket=info.socket, alive=True, status=status)
 
 

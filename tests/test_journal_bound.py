@@ -200,8 +200,12 @@ def test_a_pruned_journal_missing_the_segment_its_note_names_is_an_error(tmp_pat
 
 
 def test_the_bound_is_checked_against_the_segment_and_the_snapshot(tmp_path: Path) -> None:
-    for bad in ({"max_bytes": BOUND, "rotate_bytes": 0}, {"max_bytes": BOUND, "replica": False, "snapshot_every": 0},
-                {"max_bytes": SEGMENT, "rotate_bytes": SEGMENT}, {"max_dumps": -1}):
+    for bad in (
+        {"max_bytes": BOUND, "rotate_bytes": 0},
+        {"max_bytes": BOUND, "replica": False, "snapshot_every": 0},
+        {"max_bytes": SEGMENT, "rotate_bytes": SEGMENT},
+        {"max_dumps": -1},
+    ):
         with pytest.raises(ConfigError):
             ServiceConfig(**bad)  # type: ignore[arg-type]
     # 32 KiB of segment and the header's 37 KiB snapshot do not fit in 64 KiB.

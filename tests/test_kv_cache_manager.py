@@ -357,6 +357,7 @@ def test_per_layer_map_failure_rolls_back_every_layer(make, monkeypatch) -> None
     g = geometry(num_blocks=8, layout=Layout.PER_LAYER, num_layers=3)
     m = make("ledger", geo=g)
     real = HostBackend._map
+
     def fail_on_slot_4(self: HostBackend, index: int) -> None:
         if index == 4:  # page 0 of the third layer's region
             raise BackendError("injected")

@@ -563,9 +563,7 @@ def test_a_trace_that_ends_with_jobs_outstanding_or_a_shrink_unfinished_says_so(
     assert "unfinished" not in json.loads(out)
 
 
-def test_an_unfinished_end_is_said_after_the_violations_too(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_an_unfinished_end_is_said_after_the_violations_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # finish-in-write-step under legacy, cut after its I1 (event 6) and before job 0 is reported.
     sc = SCENARIOS["finish-in-write-step"]()
     h = msgspec.structs.replace(sc.header, policy=Policy.LEGACY)

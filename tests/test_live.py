@@ -123,11 +123,13 @@ def test_pin_rows_say_what_why_says() -> None:
     lg = Ledger(h)
     events: list[Event] = [
         *(PageMapped(p) for p in range(8)),
-        RequestAdded(3, "zeta"), RequestAdded(1, "alpha"),
+        RequestAdded(3, "zeta"),
+        RequestAdded(1, "alpha"),
         BlockAlloc(0, tuple(range(16))),
         JobBuilt(9, JobKind.STORE, 3, ((0, 1, 4),), 2),
         JobBuilt(2, JobKind.LOAD, 1, ((1, 8),), 2),
-        WindowHold(3, 0, (5, 9)), WindowHold(1, 0, (9,)),
+        WindowHold(3, 0, (5, 9)),
+        WindowHold(1, 0, (9,)),
         BlockFree(0, (12, 13, 14, 15)),
     ]
     lg.apply_all(events)
@@ -189,7 +191,11 @@ async def test_status_pins_and_why_answer_from_the_replica(tmp_path: Path) -> No
         assert isinstance(status, messages.StatusReply) and status.ledger is not None
         c = status.ledger
         assert (c.index, c.pinned_pages, c.mapped_pages, c.outstanding_jobs) == (
-            8000, lg.pinned_pages, lg.mapped_pages, lg.outstanding_jobs())
+            8000,
+            lg.pinned_pages,
+            lg.mapped_pages,
+            lg.outstanding_jobs(),
+        )
         assert c.releasable_pages == len(lg.releasable) and not c.lossy
         assert status.journal.state == "writing" and status.journal.events_written == 8000
         assert status.handoff.dropped == 0 and status.clients == 1

@@ -69,8 +69,11 @@ def test_first_violation_saves_a_dump_that_replays_to_the_same_violation(
     assert any(f"kvreplay check {dumps[0]}" in r.getMessage() for r in caplog.records)
     got = replay(capsys, dumps[0])
     first = want[0]
-    same = [v for v in got["violations"] if (v["invariant"], v["code"], v["index"]) ==
-            (first["invariant"], first["code"], first["index"])]
+    same = [
+        v
+        for v in got["violations"]
+        if (v["invariant"], v["code"], v["index"]) == (first["invariant"], first["code"], first["index"])
+    ]
     assert same and same[0]["page"] == first["page"], (got["violations"][:1], first)
 
 
@@ -138,8 +141,17 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
 
     eng = Engine()
     eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]
-    info = messages.EngineInfo(model="tiny-llama", pid=os.getpid(), api_pid=None, port=8123, socket=sock,
-                               started_unix=0.0, policy="ledger", engine="vLLM -", kvcached="-")
+    info = messages.EngineInfo(
+        model="tiny-llama",
+        pid=os.getpid(),
+        api_pid=None,
+        port=8123,
+        socket=sock,
+        started_unix=0.0,
+        policy="ledger",
+        engine="vLLM -",
+        kvcached="-",
+    )
     bg.service.control = CONTROLS[sock] = LiveControl(eng, info, PAGE)  # type: ignore[arg-type]
     try:
         yield sock, manager
@@ -545,8 +557,9 @@ def test_a_failing_scheduler_call_saves_the_flight_recorder_before_it_raises(tmp
         bg.close()
 
 
-def test_kvctl_budget_sets_and_shows_a_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvctl_budget_sets_and_shows_a_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     code, out, err = kv(capsys, "budget", "gpu0", "8G", "--json")
     assert code == 0, err

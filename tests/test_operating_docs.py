@@ -24,9 +24,9 @@ NAME = re.compile(r"vllm:kvcached_[a-z_]+")
 
 def _rules() -> list[dict[str, Any]]:
     text = (ROOT / "docs" / "operating.md").read_text()
-    section = text[text.index("### Alert rules"):]
-    block = section[section.index("```yaml\n") + 8:]
-    doc = yaml.safe_load(block[:block.index("```")])
+    section = text[text.index("### Alert rules") :]
+    block = section[section.index("```yaml\n") + 8 :]
+    doc = yaml.safe_load(block[: block.index("```")])
     (group,) = doc["groups"]
     rules: list[dict[str, Any]] = group["rules"]
     return rules
@@ -64,6 +64,6 @@ def test_the_dashboard_names_only_exposed_series_and_has_the_panels_asked_for() 
 
 def test_the_series_table_in_the_docs_is_the_collector_s() -> None:
     text = (ROOT / "docs" / "operating.md").read_text()
-    table = text[text.index("| Series |"):text.index("### Alert rules")]
+    table = text[text.index("| Series |") : text.index("### Alert rules")]
     documented = set(re.findall(r"^\| `(vllm:kvcached_[a-z_]+)`", table, re.M))
     assert documented == metrics.exposed_names()

@@ -192,8 +192,14 @@ def test_durability_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durab
     monkeypatch.setattr(os, "fsync", counting_fsync)
     reported: list[int] = []
     path = str(tmp_path / "d.kvj")
-    cfg = ServiceConfig(journal=path, durability=durability, batch_events=50, snapshot_every=0,
-                        fsync_interval=3600, on_durable=reported.append)
+    cfg = ServiceConfig(
+        journal=path,
+        durability=durability,
+        batch_events=50,
+        snapshot_every=0,
+        fsync_interval=3600,
+        on_durable=reported.append,
+    )
     with BackgroundService.start(HEADER, cfg) as bg:
         put_all(bg.producer, trace(2000), pause_every=100)
     status = bg.service.journal_status()

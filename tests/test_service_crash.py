@@ -73,8 +73,14 @@ def child(report_fd: int, path: str, tear_at: int | None) -> NoReturn:
             os.write(report_fd, f"{n}\n".encode())
 
         cfg = ServiceConfig(
-            journal=path, durability=Durability.BATCH, batch_events=512, rotate_bytes=128 << 10, capacity=4096,
-            replica=False, snapshot_every=0, on_durable=report,
+            journal=path,
+            durability=Durability.BATCH,
+            batch_events=512,
+            rotate_bytes=128 << 10,
+            capacity=4096,
+            replica=False,
+            snapshot_every=0,
+            on_durable=report,
         )
         bg = BackgroundService.start(HEADER, cfg)
         put = bg.producer.put

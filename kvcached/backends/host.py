@@ -64,6 +64,7 @@ class UnmappedAccessError(BackendError):
         about = f" ({what})" if what else ""
         super().__init__(f"host: access to unmapped page {page} at bytes {offset}..{offset + nbytes}{about}")
 
+
 # mincore over huge ranges in one call would need a vector of one byte per OS page; 1 GiB at a
 # time bounds it to 256 KiB with 4 KiB pages.
 _MINCORE_CHUNK = 1 << 30

@@ -1,4 +1,3 @@
-
 from .events import FORMAT_VERSION, Event, Header, JobKind, Policy, PoolGeometry
 from .findings import PageStatus, PinReason, Violation
 from .ledger import Ledger

@@ -61,8 +61,11 @@ def _store_of_lost_blocks(t: LedgerTables, ev: JobBuilt, pool: int, ids: Sequenc
     if unwritten and not t.lossy:
         b, p = unwritten[0]
         t.violate(
-            "I3", "job-on-unwritten-block",
-            f"store job {ev.job} reads block {b} of pool {pool}, never allocated", job=ev.job, page=p,
+            "I3",
+            "job-on-unwritten-block",
+            f"store job {ev.job} reads block {b} of pool {pool}, never allocated",
+            job=ev.job,
+            page=p,
         )
     if not lost:
         return False
@@ -76,10 +79,14 @@ def _store_of_lost_blocks(t: LedgerTables, ev: JobBuilt, pool: int, ids: Sequenc
         ChainLink(step="late copy", index=t.index, build=t.build, what=f"store job {ev.job} built over block {b}"),
     )
     t.violate(
-        "I1", "copy-of-lost-block",
+        "I1",
+        "copy-of-lost-block",
         f"store job {ev.job} copies block {b} of pool {pool} after its page {p} was unmapped "
         f"(the copy reads zeros or another tenant's bytes){more}",
-        page=p, job=ev.job, request=t.request_name(ev.req), chain=chain,
+        page=p,
+        job=ev.job,
+        request=t.request_name(ev.req),
+        chain=chain,
     )
     return True
 
@@ -88,8 +95,13 @@ def _load_into_unmapped(t: LedgerTables, ev: JobBuilt, pool: int, ids: Sequence[
     b, p = next((b, p) for b, p in zip(ids, pages, strict=True) if not t.mapped[p])
     chain = _links(t, ChainLink(step="late copy", index=t.index, build=t.build, what=f"load job {ev.job} built"))
     t.violate(
-        "I1", "copy-of-lost-block", f"load job {ev.job} writes block {b} of pool {pool} into unmapped page {p}",
-        page=p, job=ev.job, request=t.request_name(ev.req), chain=chain,
+        "I1",
+        "copy-of-lost-block",
+        f"load job {ev.job} writes block {b} of pool {pool} into unmapped page {p}",
+        page=p,
+        job=ev.job,
+        request=t.request_name(ev.req),
+        chain=chain,
     )
 
 
@@ -136,10 +148,14 @@ def store_owner(t: LedgerTables, ev: JobBuilt) -> None:
         ChainLink(step="late copy", index=t.index, build=t.build, what=f"store job {ev.job} built over block {b}"),
     )
     t.violate(
-        "I5", "store-of-foreign-block",
+        "I5",
+        "store-of-foreign-block",
         f"store job {ev.job} of request {mine} copies block {b} of pool {pool}, {why} "
         f"(its KV is saved under {mine}'s key){more}",
-        page=t.bpage[pool][b] if b < len(t.bpage[pool]) else None, job=ev.job, request=mine, chain=chain,
+        page=t.bpage[pool][b] if b < len(t.bpage[pool]) else None,
+        job=ev.job,
+        request=mine,
+        chain=chain,
     )
 
 
@@ -155,9 +171,13 @@ def unmap_under_jobs(t: LedgerTables, p: int) -> None:
         )
         t.job_violation.setdefault(job, []).append(len(t.violations))
         t.violate(
-            "I1", "unmap-under-job",
+            "I1",
+            "unmap-under-job",
             f"page {p} unmapped while {_kind(kind)} job {job} still waits on {plural(workers - reported, 'worker')}",
-            page=p, job=job, request=t.request_name(req), chain=chain,
+            page=p,
+            job=job,
+            request=t.request_name(req),
+            chain=chain,
         )
 
 
@@ -177,11 +197,14 @@ def finished_request(t: LedgerTables, req: int, n: int) -> None:
     _, _, pages, workers, reported, _, _, _ = t.jobs[job]
     since = t.finished[req]
     t.violate(
-        "I4", "pin-outlives-request",
+        "I4",
+        "pin-outlives-request",
         f"job {job} of request {t.request_name(req)}, finished in build {since}, still pins "
         f"{plural(len(pages), 'page')} {plural(n - since, 'build')} later "
         f"(waiting on {plural(workers - reported, 'worker')})",
-        job=job, request=t.request_name(req), page=pages[0] if pages else None,
+        job=job,
+        request=t.request_name(req),
+        page=pages[0] if pages else None,
     )
 
 
@@ -194,7 +217,8 @@ def shrink(t: LedgerTables, n: int) -> None:
         elif n - t.stall_since > k and not t.stall_reported:
             t.stall_reported = True
             t.violate(
-                "I4", "shrink-stalled",
+                "I4",
+                "shrink-stalled",
                 f"{plural(t.mapped_pages, 'page')} mapped over a limit of {t.limit} for "
                 f"{plural(n - t.stall_since, 'build')} while {plural(len(t.releasable), 'page')} could be unmapped",
                 page=min(t.releasable),
@@ -210,8 +234,10 @@ def shrink(t: LedgerTables, n: int) -> None:
         if held and n - start > k and req not in t.hold_reported:
             t.hold_reported.add(req)
             t.violate(
-                "I4", "holds-block-shrink",
+                "I4",
+                "holds-block-shrink",
                 f"window holds of request {t.request_name(req)}, preempted in build {since}, keep "
                 f"{plural(len(held), 'page')} mapped over the limit of {t.limit} for {plural(n - start, 'build')}",
-                request=t.request_name(req), page=min(held),
+                request=t.request_name(req),
+                page=min(held),
             )

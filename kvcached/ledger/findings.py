@@ -19,6 +19,7 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     word = noun if n == 1 else (many if many is not None else noun + "s")
     return f"{n:,} {word}"
 
+
 InvariantId = Literal["I1", "I2", "I3", "I4", "I5"]
 
 INVARIANTS: Final[dict[str, str]] = {

@@ -396,8 +396,10 @@ class Ledger(LedgerQueries):
         if st is None:
             if not t.lossy:
                 t.violate(
-                    "I3", "report-unknown-job",
-                    f"job {job} reported but not outstanding (never built, or already fully reported)", job=job,
+                    "I3",
+                    "report-unknown-job",
+                    f"job {job} reported but not outstanding (never built, or already fully reported)",
+                    job=job,
                 )
             return
         reported: int = st[4]
@@ -409,8 +411,11 @@ class Ledger(LedgerQueries):
             return
         if reported > workers:
             t.violate(
-                "I3", "over-report", f"job {job} reported {plural(reported, 'time')} for {plural(workers, 'worker')}",
-                job=job, request=t.request_name(st[1]),
+                "I3",
+                "over-report",
+                f"job {job} reported {plural(reported, 'time')} for {plural(workers, 'worker')}",
+                job=job,
+                request=t.request_name(st[1]),
             )
         jobpins, pins, legacy = t.jobpins, t.pins, t.legacy
         pages: list[int] = st[2]

@@ -89,7 +89,11 @@ def _meta_int(path: str, header: Header, key: str) -> int | None:
 
 def _same_run(a: Header, b: Header) -> bool:
     return (a.format_version, a.page_bytes, a.pools, a.workers, a.policy) == (
-        b.format_version, b.page_bytes, b.pools, b.workers, b.policy,
+        b.format_version,
+        b.page_bytes,
+        b.pools,
+        b.workers,
+        b.policy,
     )
 
 
@@ -154,8 +158,10 @@ class RotatedJournal:
         self._finish(header)
 
     def _finish(self, header: Header | None = None) -> None:
-        self.header = header if header is not None and self.segments[0].path == self.path else (
-            read_header(self.segments[0].path)
+        self.header = (
+            header
+            if header is not None and self.segments[0].path == self.path
+            else (read_header(self.segments[0].path))
         )
         self.first_event = self.segments[0].first_event
         self.read: list[tuple[Segment, int]] = []
@@ -406,9 +412,7 @@ def snapshot_problem(snap: LedgerSnapshot) -> str | None:
     return None
 
 
-def write_snapshot(
-    path: str, snap: LedgerSnapshot, *, sync: bool = False, replacing: FileId | None = None
-) -> FileId:
+def write_snapshot(path: str, snap: LedgerSnapshot, *, sync: bool = False, replacing: FileId | None = None) -> FileId:
     """Writes ``snap`` to ``path``: under a fresh name, then installed (see ``files.install``:
     ``replacing`` None means ``path`` must not exist). Returns the new file's id, to pass as
     ``replacing`` next time. ``sync``: on the disk, rename included, before it returns.

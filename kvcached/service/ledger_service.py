@@ -82,8 +82,19 @@ class Producer:
     the bound may be exceeded by one event per thread and drop counts may be approximate.
     """
 
-    __slots__ = ("__weakref__", "_cap", "_dropped", "_gapped", "_q", "_rfd", "_sleeping", "_wake_at", "_wfd",
-                 "episodes", "gaps")
+    __slots__ = (
+        "__weakref__",
+        "_cap",
+        "_dropped",
+        "_gapped",
+        "_q",
+        "_rfd",
+        "_sleeping",
+        "_wake_at",
+        "_wfd",
+        "episodes",
+        "gaps",
+    )
 
     def __init__(self, capacity: int, wake_at: int) -> None:
         self._q: collections.deque[Event] = collections.deque()
@@ -196,11 +207,20 @@ class LedgerService:
         w = self._writer  # read once: a rotation in the worker thread may swap it meanwhile
         size = w.bytes_written if w is not None else 0
         return JournalStatus(
-            state=self._state, path=self.config.journal, durability=self.config.durability.value, segment=self._segment,
-            segment_bytes=size, events_written=self._written, events_durable=self._durable,
-            snapshot_index=self._snap_index, error=self._error, max_bytes=self.config.max_bytes,
-            kept_bytes=self._bound.kept_bytes(size if w is not None else None), first_segment=self._bound.pruned_below,
-            pruned_segments=self._bound.pruned_segments, pruned_bytes=self._bound.pruned_bytes,
+            state=self._state,
+            path=self.config.journal,
+            durability=self.config.durability.value,
+            segment=self._segment,
+            segment_bytes=size,
+            events_written=self._written,
+            events_durable=self._durable,
+            snapshot_index=self._snap_index,
+            error=self._error,
+            max_bytes=self.config.max_bytes,
+            kept_bytes=self._bound.kept_bytes(size if w is not None else None),
+            first_segment=self._bound.pruned_below,
+            pruned_segments=self._bound.pruned_segments,
+            pruned_bytes=self._bound.pruned_bytes,
         )
 
     def handoff_status(self) -> HandoffStatus:
@@ -282,7 +302,8 @@ class LedgerService:
                     self._overflowing = True
                     log.warning(
                         "kvcached: the ledger hand-off is full (%d events): dropping events until the service "
-                        "catches up; the drops are journaled as gaps", p.capacity,
+                        "catches up; the drops are journaled as gaps",
+                        p.capacity,
                     )
             if q:
                 pop = q.popleft
@@ -377,15 +398,19 @@ class LedgerService:
         naming the file and the command that replays it."""
         replica = self.replica
         assert replica is not None
-        new = replica.violations[self._violations_seen:]
+        new = replica.violations[self._violations_seen :]
         self._violations_seen = len(replica.violations)
         for v in new:
             if v.invariant in self._dumped_invariants:
                 continue
             self._dumped_invariants.add(v.invariant)
             if replica.lossy:  # a gap: the replica missed events, so this may be an artifact of it
-                log.info("kvcached: invariant %s violated after %d dropped events (may come from the gap): %s",
-                         v.invariant, replica.dropped_events, v.one_line())
+                log.info(
+                    "kvcached: invariant %s violated after %d dropped events (may come from the gap): %s",
+                    v.invariant,
+                    replica.dropped_events,
+                    v.one_line(),
+                )
             else:
                 log.error("kvcached: invariant %s violated: %s", v.invariant, v.one_line())
             if self.flight is not None:
@@ -410,11 +435,16 @@ class LedgerService:
             return None
         self.dumps = [d for d in self.dumps if d not in gone] + [path]
         if left:
-            log.warning("kvcached: older flight-recorder dumps not deleted, as they are no longer the files it "
-                        "wrote: %s", ", ".join(left))
+            log.warning(
+                "kvcached: older flight-recorder dumps not deleted, as they are no longer the files it wrote: %s",
+                ", ".join(left),
+            )
         log.error(
             "kvcached: flight recorder (%s): the last %d events saved to %s; replay with: kvreplay check %s",
-            reason, dump.events, written[-1], path,
+            reason,
+            dump.events,
+            written[-1],
+            path,
         )
         return path
 
@@ -510,8 +540,12 @@ class LedgerService:
         if cut is not None:
             left = self._bound.prune(cut)
             if left:
-                log.warning("kvcached: journal segments not deleted, as they are no longer the files it wrote "
-                            "(no longer counted against %s): %s", MAX_BYTES_VAR, ", ".join(left))
+                log.warning(
+                    "kvcached: journal segments not deleted, as they are no longer the files it wrote "
+                    "(no longer counted against %s): %s",
+                    MAX_BYTES_VAR,
+                    ", ".join(left),
+                )
 
     def _fsync(self) -> None:
         w = self._writer

@@ -162,9 +162,17 @@ class LiveServer:
     """
 
     def __init__(
-        self, service: LiveSource, path: str, *, max_clients: int = 64, max_tails: int | None = None,
-        client_queue: int = 256, send_timeout: float = 5.0, idle_timeout: float = 60.0,
-        request_timeout: float = 5.0, evict_after: float = 1.0,
+        self,
+        service: LiveSource,
+        path: str,
+        *,
+        max_clients: int = 64,
+        max_tails: int | None = None,
+        client_queue: int = 256,
+        send_timeout: float = 5.0,
+        idle_timeout: float = 60.0,
+        request_timeout: float = 5.0,
+        evict_after: float = 1.0,
     ) -> None:
         if max_clients < 2:
             raise ConfigError(f"the live view needs room for at least 2 clients, not {max_clients}")
@@ -362,10 +370,19 @@ class LiveServer:
             counts = None
             if lg is not None:
                 counts = LedgerCounts(
-                    policy=lg.policy.value, index=lg.index, build=lg.build, num_pages=lg.num_pages,
-                    mapped_pages=lg.mapped_pages, pinned_pages=lg.pinned_pages, releasable_pages=len(lg.releasable),
-                    outstanding_jobs=lg.outstanding_jobs(), violations=len(lg.violations), lossy=lg.lossy,
-                    dropped_events=lg.dropped_events, maps=lg.maps, unmaps=lg.unmaps,
+                    policy=lg.policy.value,
+                    index=lg.index,
+                    build=lg.build,
+                    num_pages=lg.num_pages,
+                    mapped_pages=lg.mapped_pages,
+                    pinned_pages=lg.pinned_pages,
+                    releasable_pages=len(lg.releasable),
+                    outstanding_jobs=lg.outstanding_jobs(),
+                    violations=len(lg.violations),
+                    lossy=lg.lossy,
+                    dropped_events=lg.dropped_events,
+                    maps=lg.maps,
+                    unmaps=lg.unmaps,
                 )
             by_invariant: dict[str, int] = {}
             by_kind: dict[str, int] = {}
@@ -378,11 +395,20 @@ class LiveServer:
                         seen.add((row.page, row.kind))
                         by_kind[row.kind] = by_kind.get(row.kind, 0) + 1
             return StatusReply(
-                pid=os.getpid(), uptime_s=time.time() - svc.started_unix, events=svc.index, ledger=counts,
-                journal=svc.journal_status(), handoff=svc.handoff_status(),
-                clients=self.clients, dropped_clients=self.dropped_clients, evicted_clients=self.evicted_clients,
-                engine=engine, memory=memory, flight=svc.flight_status(),
-                violations_by_invariant=by_invariant, pinned_by_kind=by_kind,
+                pid=os.getpid(),
+                uptime_s=time.time() - svc.started_unix,
+                events=svc.index,
+                ledger=counts,
+                journal=svc.journal_status(),
+                handoff=svc.handoff_status(),
+                clients=self.clients,
+                dropped_clients=self.dropped_clients,
+                evicted_clients=self.evicted_clients,
+                engine=engine,
+                memory=memory,
+                flight=svc.flight_status(),
+                violations_by_invariant=by_invariant,
+                pinned_by_kind=by_kind,
             )
         if lg is None:
             return ErrorReply(f"'{request.op}' needs the service's ledger replica, which is off (replica=False)")
@@ -393,10 +419,13 @@ class LiveServer:
         rows = self._pin_rows(lg)
         limit = request.limit if request.limit is not None and request.limit >= 0 else len(rows)
         return PinsReply(
-            index=lg.index, build=lg.build, pinned_pages=lg.pinned_pages, lossy=lg.lossy,
-            truncated=limit < len(rows), rows=rows[:limit],
+            index=lg.index,
+            build=lg.build,
+            pinned_pages=lg.pinned_pages,
+            lossy=lg.lossy,
+            truncated=limit < len(rows),
+            rows=rows[:limit],
         )
-
 
     def _pin_rows(self, lg: Ledger) -> list[PinRow]:
         # An operator (or a metrics scrape) asks again and again while an idle engine holds its
@@ -485,8 +514,9 @@ def is_dead_socket(path: str, *, min_age: float = DEAD_SOCKET_MIN_AGE) -> bool:
     return False
 
 
-def prune_dead_sockets(folder: str | None = None, *, prefix: str = "",
-                       min_age: float = DEAD_SOCKET_MIN_AGE) -> list[str]:
+def prune_dead_sockets(
+    folder: str | None = None, *, prefix: str = "", min_age: float = DEAD_SOCKET_MIN_AGE
+) -> list[str]:
     """Removes the dead sockets (``is_dead_socket``) of ``folder`` (the default directory) whose
     names start with ``prefix``; returns those removed. What SIGKILL leaves piles up on a machine
     that restarts servers all day, and every kvctl call and scrape would ask each of them."""

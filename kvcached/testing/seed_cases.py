@@ -176,8 +176,7 @@ def preempt_shrink(release_on_match: bool = True) -> Scenario:
         name,
         "kvcached PR #598, review comment P2: preempted requests with window holds while the limit "
         "is lowered and the prefix cache reset",
-        "The shrink must not wait forever on the window holds of requests that cannot resume "
-        "until the shrink is done.",
+        "The shrink must not wait forever on the window holds of requests that cannot resume until the shrink is done.",
         _header(name, pools=2),
         tuple(ev),
     )

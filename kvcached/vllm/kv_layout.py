@@ -65,9 +65,7 @@ class KVPlan(msgspec.Struct, frozen=True, kw_only=True):
         return f"{g.num_blocks} blocks of {self.block_bytes} B on {g.num_pages} pages ({kind})"
 
 
-def plan(
-    kv_cache_config: Any, page_bytes: int, *, backend: str = "cuda", page_set: bool = True
-) -> KVPlan:
+def plan(kv_cache_config: Any, page_bytes: int, *, backend: str = "cuda", page_set: bool = True) -> KVPlan:
     """Check vLLM's KV cache layout against kvcached's and say where each block lives.
 
     ``backend`` ("host" or "cuda") is where the pages live; ``page_set`` says ``page_bytes`` is

@@ -46,8 +46,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         native.stop()
     rows = elastic.timeline_rows(run.samples)
     for name, t, ra, rb, both, used, size in rows:
-        print(f"{name:>13} t={t:6.1f}s  A {ra // MiB:3d} MiB  B {rb // MiB:3d} MiB  A+B {both // MiB:3d} MiB  "
-              f"budget {used // MiB}/{size // MiB} MiB")
+        print(
+            f"{name:>13} t={t:6.1f}s  A {ra // MiB:3d} MiB  B {rb // MiB:3d} MiB  A+B {both // MiB:3d} MiB  "
+            f"budget {used // MiB}/{size // MiB} MiB"
+        )
     return {"run": run, "native": ref}
 
 
@@ -61,8 +63,12 @@ def test_the_budget_is_never_exceeded(served: dict[str, Any]) -> None:
     # read under the budget's lock (Sampler.sample): each worker within its engine's share, so
     # that no bytes went back to the budget before the worker had unmapped them, and the sum
     # within the budget.
-    ahead = [(s.t, s.phase, n, r, s.share.get(n, 0)) for s in run.samples for n, r in s.resident.items()
-             if n not in s.dead and r > s.share.get(n, 0)]
+    ahead = [
+        (s.t, s.phase, n, r, s.share.get(n, 0))
+        for s in run.samples
+        for n, r in s.resident.items()
+        if n not in s.dead and r > s.share.get(n, 0)
+    ]
     assert not ahead, f"a worker held more than its engine's share (t, phase, engine, resident, share): {ahead[:5]}"
     worst = max(sum(s.resident.values()) for s in run.samples)
     assert worst <= elastic.BUDGET_BYTES, f"{worst // MiB} MiB resident in the two workers"
@@ -95,7 +101,9 @@ def test_an_idle_engine_with_a_full_prefix_cache_reaches_a_lowered_limit(served:
     assert seen["a_loaded"].resident["A"] >= 48 * MiB, "A's prefix cache was not full before the limit"
     idle = seen["a_status_limited_idle"]["memory"]
     assert idle["in_use_pages"] <= elastic.A_IDLE_LIMIT // idle["page_bytes"], (
-        "the limit did not evict the cached blocks of the pages over it", idle)
+        "the limit did not evict the cached blocks of the pages over it",
+        idle,
+    )
     mem = seen["a_status_limited"]["memory"]
     assert not mem["shrink_pending"] and mem["mapped_bytes"] <= elastic.A_IDLE_LIMIT, mem
     assert seen["a_limited"].share["A"] <= elastic.A_IDLE_LIMIT
@@ -120,9 +128,7 @@ def test_a_sigkilled_engines_share_is_mapped_by_the_other(served: dict[str, Any]
         f"B did not map beyond {seen['b_share_wanted'] // MiB} MiB within {elastic.KILL_BOUND_S} s of A's SIGKILL"
     )
     print(f"B mapped A's share {seen['b_mapped_dead_share_after_s']:.2f} s after the SIGKILL")
-    assert seen["end"].share["B"] > seen["b_share_wanted"] and "A" not in {
-        k for k, v in seen["end"].share.items() if v
-    }
+    assert seen["end"].share["B"] > seen["b_share_wanted"] and "A" not in {k for k, v in seen["end"].share.items() if v}
 
 
 def test_no_error_in_the_engines_logs(served: dict[str, Any]) -> None:

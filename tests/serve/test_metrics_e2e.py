@@ -47,8 +47,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     runtime = out / "run"
     runtime.mkdir(mode=0o700)
     env = {"XDG_RUNTIME_DIR": str(runtime), "KVCACHED_BUDGET": "metrics-test", "KVCACHED_BUDGET_BYTES": "512M"}
-    cfg = ServerConfig(model=model, kvcached=True, env=env, kv_cache_bytes=64 * MiB, cpu_offload_bytes=16 * MiB,
-                       serve_cli=True, extra_args=("--api-server-count", "2"))
+    cfg = ServerConfig(
+        model=model,
+        kvcached=True,
+        env=env,
+        kv_cache_bytes=64 * MiB,
+        cpu_offload_bytes=16 * MiB,
+        serve_cli=True,
+        extra_args=("--api-server-count", "2"),
+    )
     server = Server(cfg, out / "metrics-kvcached.log").start()
     try:
         assert server.wait_ready(), server.log()[-4000:]

@@ -68,12 +68,28 @@ def _serve(kind: str, mode: str, model: str, out: Path) -> Run:
     policy = None if mode == "native" else mode
     port = str(free_port())
     if kind == "tp":
-        common: tuple[str, ...] = ("--tensor-parallel-size", "2", "--nnodes", "2",
-                                   "--master-addr", nodes.ADDR_A, "--master-port", port)
+        common: tuple[str, ...] = (
+            "--tensor-parallel-size",
+            "2",
+            "--nnodes",
+            "2",
+            "--master-addr",
+            nodes.ADDR_A,
+            "--master-port",
+            port,
+        )
         only = {"A": ("--node-rank", "0"), "B": ("--headless", "--node-rank", "1")}
     else:
-        common = ("--data-parallel-size", "2", "--data-parallel-size-local", "1",
-                  "--data-parallel-address", nodes.ADDR_A, "--data-parallel-rpc-port", port)
+        common = (
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-size-local",
+            "1",
+            "--data-parallel-address",
+            nodes.ADDR_A,
+            "--data-parallel-rpc-port",
+            port,
+        )
         only = {"A": (), "B": ("--headless", "--data-parallel-start-rank", "1")}
     with nodes.Pair() as pair:
         servers: dict[str, Server] = {}

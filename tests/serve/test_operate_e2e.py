@@ -42,8 +42,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _kvctl_run(runtime: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     env.pop("KVCACHED_LEDGER_SOCKET", None)
-    return subprocess.run([sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True,
-                          env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def _kvctl(runtime: Path, *argv: str, check: bool = True) -> Any:
@@ -169,8 +170,10 @@ def test_a_halved_limit_under_load_gives_memory_back_and_changes_no_output(serve
         assert b.max_logprob_diff(a) == 0.0, f"request {i}: top-5 logprobs differ"
     full, limited = seen["kv_full"], seen["kv_limited"]
     rss = [seen[k] // MiB for k in ("rss_start", "rss_full", "rss_limited")]
-    print(f"worker KV resident MiB: start {seen['kv_start'] // MiB}, full {full // MiB}, "
-          f"after a limit of {KV // 2 // MiB} MiB: {limited // MiB}; whole RSS MiB: {rss}")
+    print(
+        f"worker KV resident MiB: start {seen['kv_start'] // MiB}, full {full // MiB}, "
+        f"after a limit of {KV // 2 // MiB} MiB: {limited // MiB}; whole RSS MiB: {rss}"
+    )
     assert full > KV // 2, "the load did not fill the KV cache beyond the limit"
     mem = seen["status_limited"]["memory"]
     assert not mem["shrink_pending"] and mem["mapped_bytes"] <= KV // 2, mem

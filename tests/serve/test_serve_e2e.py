@@ -192,7 +192,9 @@ def test_a_served_journal_finds_a_build_by_its_time(runs: dict[str, Run]) -> Non
     at = base + ((t0 or 0) + (t1 or 0)) / 2e6
     r = subprocess.run(
         [sys.executable, "-m", "kvreplay.cli", "show", str(run.journal), "--at", f"{at:.6f}", "--no-progress"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0 and f"build {build} was running" in r.stdout.splitlines()[0], r.stdout + r.stderr
 

@@ -119,7 +119,9 @@ def _healthy(run: Run, *, ray: bool = False) -> None:
     assert run.ready, f"{run.mode}: not ready:\n{s.log()[-3000:]}"
     # Ray's own start-up chatter (dashboard, usage stats) is not the server's.
     before_stop = check_served(
-        s, run.outputs, legacy=run.mode == "legacy",
+        s,
+        run.outputs,
+        legacy=run.mode == "legacy",
         ours=(lambda line: "kvcached" in line or "Traceback" in line) if ray else lambda line: True,
     )
     active = [line for line in before_stop.splitlines() if ACTIVE_LINE in line]

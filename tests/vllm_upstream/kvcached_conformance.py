@@ -213,9 +213,7 @@ INSTALLER = Installer()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--kvcached", action="store_true", help="run under kvcached's page-aware pool and bridge"
-    )
+    parser.addoption("--kvcached", action="store_true", help="run under kvcached's page-aware pool and bridge")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -33,8 +33,19 @@ USAGE: Final = 2  # the command line itself is wrong
 INTERRUPTED: Final = 130
 
 __all__ = [
-    "FAILED", "INTERRUPTED", "MAX_INT", "OK", "USAGE", "Parser", "format_size", "one_line", "plural",
-    "positive_seconds", "run", "version", "whole",
+    "FAILED",
+    "INTERRUPTED",
+    "MAX_INT",
+    "OK",
+    "USAGE",
+    "Parser",
+    "format_size",
+    "one_line",
+    "plural",
+    "positive_seconds",
+    "run",
+    "version",
+    "whole",
 ]
 
 # The largest integer msgpack carries signed, and the journal's bound on every integer

@@ -49,8 +49,10 @@ def cmd_pins(path: str, args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         out.write(msgspec.json.encode(reply).decode() + "\n")
         return 0
-    title = (f"{kvcli.plural(reply.pinned_pages, 'pinned page')}, {kvcli.plural(len(reply.rows), 'pin')} shown; "
-             f"replica at event {reply.index:,}, build {reply.build:,}")
+    title = (
+        f"{kvcli.plural(reply.pinned_pages, 'pinned page')}, {kvcli.plural(len(reply.rows), 'pin')} shown; "
+        f"replica at event {reply.index:,}, build {reply.build:,}"
+    )
     notes = []
     if reply.lossy:
         notes.append("the service dropped events (a gap): pins may be missing or stale")
@@ -150,8 +152,10 @@ def cmd_dump(path: str, args: argparse.Namespace, out: TextIO) -> int:
         doc = {"files": written, "first_event": reply.first_event, "events": reply.events}
         out.write(msgspec.json.encode(doc).decode() + "\n")
         return 0
-    out.write(f"{kvcli.plural(reply.events, 'event')} (from event {reply.first_event:,}) written to "
-              f"{', '.join(written)}\nreplay with: kvreplay check {args.output}\n")
+    out.write(
+        f"{kvcli.plural(reply.events, 'event')} (from event {reply.first_event:,}) written to "
+        f"{', '.join(written)}\nreplay with: kvreplay check {args.output}\n"
+    )
     return 0
 
 
@@ -174,8 +178,15 @@ def cmd_budget(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-COMMANDS = {"pins": cmd_pins, "status": cmd_status, "why": cmd_why, "tail": cmd_tail, "limit": cmd_limit,
-            "limit-percent": cmd_limit_percent, "dump": cmd_dump}
+COMMANDS = {
+    "pins": cmd_pins,
+    "status": cmd_status,
+    "why": cmd_why,
+    "tail": cmd_tail,
+    "limit": cmd_limit,
+    "limit-percent": cmd_limit_percent,
+    "dump": cmd_dump,
+}
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:

@@ -89,8 +89,12 @@ def memory_line(m: messages.MemoryStatus) -> str:
 
 def memory_json(m: messages.MemoryStatus) -> dict[str, object]:
     d: dict[str, object] = msgspec.to_builtins(m)
-    d.update(mapped_bytes=m.mapped_bytes, limit_bytes=m.limit_bytes, capacity_bytes=m.capacity_bytes,
-             floor_bytes=m.floor_bytes)
+    d.update(
+        mapped_bytes=m.mapped_bytes,
+        limit_bytes=m.limit_bytes,
+        capacity_bytes=m.capacity_bytes,
+        floor_bytes=m.floor_bytes,
+    )
     return d
 
 
@@ -148,8 +152,11 @@ def status_rows(s: messages.StatusReply) -> list[tuple[str, str]]:
     else:
         rows += [
             ("ledger", f"event {lg.index:,}, build {lg.build:,}, policy {lg.policy}"),
-            ("pages", f"{lg.num_pages:,} total, {lg.mapped_pages:,} mapped, {lg.pinned_pages:,} pinned, "
-                      f"{lg.releasable_pages:,} releasable"),
+            (
+                "pages",
+                f"{lg.num_pages:,} total, {lg.mapped_pages:,} mapped, {lg.pinned_pages:,} pinned, "
+                f"{lg.releasable_pages:,} releasable",
+            ),
             ("jobs", f"{lg.outstanding_jobs:,} outstanding"),
             ("violations", f"{lg.violations:,}"),
         ]
@@ -158,10 +165,16 @@ def status_rows(s: messages.StatusReply) -> list[tuple[str, str]]:
     h = s.handoff
     rows += [
         ("journal", _journal(s.journal)),
-        ("hand-off", f"{h.queued:,} of {h.capacity:,} queued; {h.dropped:,} dropped in {plural(h.gaps, 'gap')}, "
-                     f"{plural(h.episodes, 'overflow episode')}"),
-        ("live view", f"{plural(s.clients, 'client')}, {plural(s.dropped_clients, 'slow client')} dropped, "
-                      f"{plural(s.evicted_clients, 'idle one')} let go"),
+        (
+            "hand-off",
+            f"{h.queued:,} of {h.capacity:,} queued; {h.dropped:,} dropped in {plural(h.gaps, 'gap')}, "
+            f"{plural(h.episodes, 'overflow episode')}",
+        ),
+        (
+            "live view",
+            f"{plural(s.clients, 'client')}, {plural(s.dropped_clients, 'slow client')} dropped, "
+            f"{plural(s.evicted_clients, 'idle one')} let go",
+        ),
     ]
     return rows
 

@@ -75,14 +75,23 @@ def show_at(args: argparse.Namespace) -> int:
         closed = base + (found.at_us or 0) / 1e6
         new = lg.violations[seen:]
         state = {
-            "mapped_pages": lg.mapped_pages, "pinned_pages": lg.pinned_pages, "num_pages": lg.num_pages,
-            "outstanding_jobs": lg.outstanding_jobs(), "violations": len(lg.violations), "limit": lg.limit,
+            "mapped_pages": lg.mapped_pages,
+            "pinned_pages": lg.pinned_pages,
+            "num_pages": lg.num_pages,
+            "outstanding_jobs": lg.outstanding_jobs(),
+            "violations": len(lg.violations),
+            "limit": lg.limit,
         }
         if args.json:
             doc: dict[str, Any] = {
-                "trace": args.trace, "at": at, "build": found.build, "began": opened, "closed": closed,
+                "trace": args.trace,
+                "at": at,
+                "build": found.build,
+                "began": opened,
+                "closed": closed,
                 "events": [{"index": i, "build": b, "event": _describe(e, base)} for i, b, e in rows],
-                "violations": [v.one_line() for v in new], "state": state,
+                "violations": [v.one_line() for v in new],
+                "state": state,
             }
             sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
             return kvcli.OK

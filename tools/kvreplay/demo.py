@@ -41,10 +41,15 @@ def results(names: list[str] | None = None) -> str:
         sc = SCENARIOS[name]()
         for policy in ("legacy", "ledger"):
             ledger, unmaps = _run(sc, policy)
-            rows.append({
-                "scenario": sc.name, "policy": policy, "unmaps": unmaps, "peak_pinned_pages": ledger.peak_pinned_pages,
-                "violations": [f"{v.invariant} {v.code}: {v.message}" for v in ledger.violations],
-            })
+            rows.append(
+                {
+                    "scenario": sc.name,
+                    "policy": policy,
+                    "unmaps": unmaps,
+                    "peak_pinned_pages": ledger.peak_pinned_pages,
+                    "violations": [f"{v.invariant} {v.code}: {v.message}" for v in ledger.violations],
+                }
+            )
     return msgspec.json.encode(rows).decode() + "\n"
 
 

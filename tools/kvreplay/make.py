@@ -71,8 +71,13 @@ def cmd_synth(args: argparse.Namespace) -> int:
     how = "no decisions" if args.inputs_only else f"decisions derived under {args.policy}"
     what = f"{kvcli.plural(args.events, 'input')} of the synthetic workload, seed {args.seed}"
     if args.json:
-        doc = {"file": args.output, "events": n, "inputs": args.events, "seed": args.seed,
-               "policy": None if args.inputs_only else args.policy}
+        doc = {
+            "file": args.output,
+            "events": n,
+            "inputs": args.events,
+            "seed": args.seed,
+            "policy": None if args.inputs_only else args.policy,
+        }
         print(msgspec.json.encode(doc).decode())
         return 0
     print(f"wrote {args.output}: {kvcli.plural(n, 'event')} ({what}; {how})")

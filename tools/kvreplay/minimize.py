@@ -561,9 +561,17 @@ def cmd_minimize(args: argparse.Namespace) -> int:
     )
     if args.json:
         decisions = sum(1 for ev in res.events if type(ev) in DECISIONS)
-        doc = {"file": args.output, "target": res.target, "derived": res.derived, "events_read": res.events_read,
-               "events": len(res.events), "decisions": decisions, "replays": res.replays,
-               "seconds": round(res.seconds, 3), "timed_out": res.timed_out}
+        doc = {
+            "file": args.output,
+            "target": res.target,
+            "derived": res.derived,
+            "events_read": res.events_read,
+            "events": len(res.events),
+            "decisions": decisions,
+            "replays": res.replays,
+            "seconds": round(res.seconds, 3),
+            "timed_out": res.timed_out,
+        }
         sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
         return 0
     sys.stdout.write(render(res, args.trace, args.output))

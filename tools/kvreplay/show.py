@@ -267,8 +267,15 @@ def timeline(
                         emit(f"  !! {v.one_line()}", {"violation": v.one_line()})
                 seen = len(lg.violations)
     if as_json:
-        doc = {"trace": trace.path, "focus": focus.title, "events_replayed": lg.index, "policy": lg.policy.value,
-               "lines": items, "hidden": hidden, "end": focus.final(lg)}
+        doc = {
+            "trace": trace.path,
+            "focus": focus.title,
+            "events_replayed": lg.index,
+            "policy": lg.policy.value,
+            "lines": items,
+            "hidden": hidden,
+            "end": focus.final(lg),
+        }
         return msgspec.json.encode(doc).decode() + "\n"
     if hidden:
         print(f"  ... and {kvcli.plural(hidden, 'more line')} (--limit 0 shows all)", file=out)

@@ -53,9 +53,11 @@ PAGE_STATES: Final = ("in_use", "pinned", "reserved", "unmapped")
 # name (after PREFIX) -> (type, help, labels beyond model_name and engine; the budget_* series
 # have only ``budget``: a budget is shared by engines). Counters are exposed with ``_total``.
 SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
-    "info": ("gauge", "1 per engine: kvcached's version and setup, the engine core's pid and socket",
-             ("version", "policy", "backend", "page_bytes", "compiled", "pid", "socket", "budget", "vllm_version",
-              "tested")),
+    "info": (
+        "gauge",
+        "1 per engine: kvcached's version and setup, the engine core's pid and socket",
+        ("version", "policy", "backend", "page_bytes", "compiled", "pid", "socket", "budget", "vllm_version", "tested"),
+    ),
     "engine_up": ("gauge", "1 while the engine core's ledger service answers, 0 once it stops", ()),
     "memory_limit_bytes": ("gauge", "The engine's KV memory limit (kvctl limit)", ()),
     "capacity_bytes": ("gauge", "The KV memory vLLM sized its block table for (virtual)", ()),
@@ -174,19 +176,36 @@ class Collector:
             labels = ["budget"] if name.startswith("budget_") else [*LABELS, *extra]
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             made[name] = cls(PREFIX + name, doc, labels=labels)
-        info, up, limit, capacity, mapped = (made[n] for n in ("info", "engine_up", "memory_limit_bytes",
-                                                              "capacity_bytes", "mapped_bytes"))
-        pages, shrink, waiting, pinned, jobs = (made[n] for n in ("pages", "shrink_pending", "shrink_waiting_pages",
-                                                                 "pinned_pages", "outstanding_jobs"))
-        violations, events, written, dropped, maps, unmaps = (made[n] for n in (
-            "violations", "events", "journal_events_written", "events_dropped", "page_maps", "page_unmaps"))
+        info, up, limit, capacity, mapped = (
+            made[n] for n in ("info", "engine_up", "memory_limit_bytes", "capacity_bytes", "mapped_bytes")
+        )
+        pages, shrink, waiting, pinned, jobs = (
+            made[n] for n in ("pages", "shrink_pending", "shrink_waiting_pages", "pinned_pages", "outstanding_jobs")
+        )
+        violations, events, written, dropped, maps, unmaps = (
+            made[n]
+            for n in ("violations", "events", "journal_events_written", "events_dropped", "page_maps", "page_unmaps")
+        )
         budget_size, budget_used = made["budget_size_bytes"], made["budget_used_bytes"]
         budgets: dict[str, messages.BudgetStatus] = {}
         for eng, st in self.poll():
             lv = [eng.model, str(eng.index)]
-            info.add_metric([*lv, eng.kvcached, eng.policy, eng.backend, str(eng.page_size),
-                             "true" if eng.compiled else "false", str(eng.pid), eng.socket, eng.budget or "",
-                             eng.release, "true" if _tested(eng.release) else "false"], 1)
+            info.add_metric(
+                [
+                    *lv,
+                    eng.kvcached,
+                    eng.policy,
+                    eng.backend,
+                    str(eng.page_size),
+                    "true" if eng.compiled else "false",
+                    str(eng.pid),
+                    eng.socket,
+                    eng.budget or "",
+                    eng.release,
+                    "true" if _tested(eng.release) else "false",
+                ],
+                1,
+            )
             up.add_metric(lv, 0 if st is None else 1)
             if st is None:
                 continue

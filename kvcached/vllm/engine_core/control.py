@@ -99,15 +99,30 @@ class LiveControl:
         manager = self.engine.manager
         if manager is None:
             return MemoryStatus(
-                page_bytes=self.page_cost, num_pages=0, mapped_pages=0, in_use_pages=0, reserved_pages=0,
-                limit_pages=0, shrink_pending=False, waiting_on={}, reason="vLLM's own block pool",
+                page_bytes=self.page_cost,
+                num_pages=0,
+                mapped_pages=0,
+                in_use_pages=0,
+                reserved_pages=0,
+                limit_pages=0,
+                shrink_pending=False,
+                waiting_on={},
+                reason="vLLM's own block pool",
             )
         st = manager.state()
         return MemoryStatus(
-            page_bytes=self.page_cost, num_pages=manager.allocator.num_pages, mapped_pages=st.mapped,
-            in_use_pages=st.in_use, reserved_pages=st.reserved, limit_pages=st.limit,
-            shrink_pending=st.shrink_pending, waiting_on=dict(st.waiting_on), reason=st.reason, held_pages=st.held,
-            floor_pages=self.floor_pages, floor_why=self.floor_why,
+            page_bytes=self.page_cost,
+            num_pages=manager.allocator.num_pages,
+            mapped_pages=st.mapped,
+            in_use_pages=st.in_use,
+            reserved_pages=st.reserved,
+            limit_pages=st.limit,
+            shrink_pending=st.shrink_pending,
+            waiting_on=dict(st.waiting_on),
+            reason=st.reason,
+            held_pages=st.held,
+            floor_pages=self.floor_pages,
+            floor_why=self.floor_why,
         )
 
 
@@ -138,8 +153,15 @@ def request_floor(scheduler: Any, blocks_per_page: int, page_cost: int, min_byte
 
 
 def engine_info(
-    scheduler: Any, *, socket: str, policy: str, versions: dict[str, str], budget: str | None,
-    backend: str = "", page_size: int = 0, compiled: bool = False,
+    scheduler: Any,
+    *,
+    socket: str,
+    policy: str,
+    versions: dict[str, str],
+    budget: str | None,
+    backend: str = "",
+    page_size: int = 0,
+    compiled: bool = False,
 ) -> EngineInfo:
     """Who this engine core is, for ``kvctl list`` and the metrics' labels."""
     model = "?"
@@ -149,10 +171,19 @@ def engine_info(
     port = os.environ.get("KVCACHED_SERVE_PORT")
     api = os.environ.get("KVCACHED_SERVE_PID")
     return EngineInfo(
-        model=model, pid=os.getpid(), api_pid=int(api) if api and api.isdigit() else None,
-        port=int(port) if port and port.isdigit() else None, socket=socket, started_unix=time.time(),
-        policy=policy, engine=f"vLLM {versions.get('vllm', '?')}", kvcached=versions.get("kvcached", "?"),
+        model=model,
+        pid=os.getpid(),
+        api_pid=int(api) if api and api.isdigit() else None,
+        port=int(port) if port and port.isdigit() else None,
+        socket=socket,
+        started_unix=time.time(),
+        policy=policy,
+        engine=f"vLLM {versions.get('vllm', '?')}",
+        kvcached=versions.get("kvcached", "?"),
         budget=budget,
-        index=engine_index(scheduler), data_parallel=data_parallel_size(scheduler), backend=backend,
-        page_size=page_size, compiled=compiled,
+        index=engine_index(scheduler),
+        data_parallel=data_parallel_size(scheduler),
+        backend=backend,
+        page_size=page_size,
+        compiled=compiled,
     )

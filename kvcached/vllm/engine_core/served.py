@@ -70,9 +70,14 @@ def build(scheduler: Any, settings: Settings) -> Engine:
     engine = assemble(scheduler, geometry, backends, config, page_log=page_log)
     slow = compiled_status()
     info = control.engine_info(
-        scheduler, socket=socket, policy=settings.policy.value,
-        versions={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION}, budget=settings.budget,
-        backend=backends[0].kind, page_size=geometry.page_bytes, compiled=slow is None,
+        scheduler,
+        socket=socket,
+        policy=settings.policy.value,
+        versions={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION},
+        budget=settings.budget,
+        backend=backends[0].kind,
+        page_size=geometry.page_bytes,
+        compiled=slow is None,
     )
     live = control.LiveControl(engine, info, engine.page_bytes, floor)
     engine.control = live

@@ -77,7 +77,7 @@ def correct_part(native: Server, ours: Server, console: Console) -> tuple[int, i
     ours_kv = kv_resident_bytes(ours.worker_pid())
     rss = {"native": rss_bytes(native.worker_pid()), "kvcached": rss_bytes(ours.worker_pid())}
     active = next((line for line in ours.log().splitlines() if ACTIVE_LINE in line), "")
-    console.print(f"kvcached said: {active[active.find(ACTIVE_LINE):]}", markup=False)
+    console.print(f"kvcached said: {active[active.find(ACTIVE_LINE) :]}", markup=False)
 
     table = Table(title="kvcached (ledger) against native vLLM, same prompts and flags")
     cols = ("pass", "request", "output tokens", "same tokens", "top-5 logprobs", "cached tokens (native / kvcached)")
@@ -88,8 +88,12 @@ def correct_part(native: Server, ours: Server, console: Console) -> tuple[int, i
     for i, (a, b) in enumerate(zip(theirs, mine, strict=True)):
         same += a.tokens == b.tokens and b.max_logprob_diff(a) == 0.0 and a.cached_tokens == b.cached_tokens
         table.add_row(
-            str(i // n + 1), str(i % n), str(len(b.tokens)), "yes" if a.tokens == b.tokens else "[red]NO[/red]",
-            f"max diff {b.max_logprob_diff(a):.3g}", f"{a.cached_tokens} / {b.cached_tokens}",
+            str(i // n + 1),
+            str(i % n),
+            str(len(b.tokens)),
+            "yes" if a.tokens == b.tokens else "[red]NO[/red]",
+            f"max diff {b.max_logprob_diff(a):.3g}",
+            f"{a.cached_tokens} / {b.cached_tokens}",
         )
     console.print(table)
     console.print(f"{same} of {len(theirs)} completions identical to native vLLM (tokens, logprobs, cached tokens)")
@@ -119,7 +123,11 @@ def elastic_part(model: str, out: Path, native: Server, console: Console) -> boo
     try:
         with console.status("A and B: starting, then the five phases..."):
             run = elastic.run_elastic(
-                model, out, runtime, budget="demo", cpu_tier=native.config.cpu_offload_bytes or elastic.CPU_TIER,
+                model,
+                out,
+                runtime,
+                budget="demo",
+                cpu_tier=native.config.cpu_offload_bytes or elastic.CPU_TIER,
                 say=lambda line: console.print("  " + line, markup=False),
             )
     finally:
@@ -136,8 +144,13 @@ def elastic_part(model: str, out: Path, native: Server, console: Console) -> boo
         table.add_column(col, justify="right" if col != "phase" else "left")
     for name, t, ra, rb, both, used, size in elastic.timeline_rows(run.samples):
         table.add_row(
-            name, f"{t:.0f}", f"{ra // MiB} MiB", f"{rb // MiB} MiB", f"{both // MiB} MiB",
-            f"{used // MiB} / {size // MiB} MiB", f"{2 * elastic.KV_BYTES // MiB} MiB",
+            name,
+            f"{t:.0f}",
+            f"{ra // MiB} MiB",
+            f"{rb // MiB} MiB",
+            f"{both // MiB} MiB",
+            f"{used // MiB} / {size // MiB} MiB",
+            f"{2 * elastic.KV_BYTES // MiB} MiB",
         )
     console.print(table)
     peak = max(sum(s.resident.values()) for s in run.samples)

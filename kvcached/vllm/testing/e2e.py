@@ -101,8 +101,11 @@ class Server:
 
     def argv(self) -> list[str]:
         c = self.config
-        entry = ["-c", _VLLM_COMMAND, "serve", c.model] if c.serve_cli else [
-            "-m", "vllm.entrypoints.openai.api_server", "--model", c.model]
+        entry = (
+            ["-c", _VLLM_COMMAND, "serve", c.model]
+            if c.serve_cli
+            else ["-m", "vllm.entrypoints.openai.api_server", "--model", c.model]
+        )
         args = [
             self.python,
             *entry,
@@ -426,7 +429,11 @@ def kv_resident_bytes(pid: int) -> int:
 
 
 def check_served(
-    server: Server, outputs: list[Completion], *, legacy: bool, shm: bool = True,
+    server: Server,
+    outputs: list[Completion],
+    *,
+    legacy: bool,
+    shm: bool = True,
     ours: Callable[[str], bool] = lambda line: True,
 ) -> str:
     """What every served validation run must show: 20 completions, no process left behind, no KV

@@ -99,8 +99,7 @@ def kvctl(runtime: Path, *argv: str) -> Any:
     """Run ``kvctl`` as an operator does (its own process, the servers' runtime directory)."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     env.pop("KVCACHED_LEDGER_SOCKET", None)
-    r = subprocess.run([sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True,
-                       env=env, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "kvctl.cli", *argv], capture_output=True, text=True, env=env, timeout=60)
     if r.returncode != 0:
         raise RuntimeError(f"kvctl {' '.join(argv)}: {r.stderr.strip()}")
     return json.loads(r.stdout) if "--json" in argv else r.stdout
@@ -253,8 +252,10 @@ def run_elastic(
         for n, s in servers.items():
             if not s.wait_ready(timeout=STARTUP_S):
                 raise RuntimeError(f"engine {n} did not start; its log: {s.log_path}")
-        say(f"A and B ready after {max(s.ready_after or 0 for s in servers.values()):.0f} s, "
-            f"budget {budget} of {BUDGET_BYTES // MiB} MiB, {KV_BYTES // MiB} MiB of KV each")
+        say(
+            f"A and B ready after {max(s.ready_after or 0 for s in servers.values()):.0f} s, "
+            f"budget {budget} of {BUDGET_BYTES // MiB} MiB, {KV_BYTES // MiB} MiB of KV each"
+        )
         pids = {n: engine_pid(runtime, s) for n, s in servers.items()}
         sampler = Sampler(budget, str(runtime / "kvcached"), {n: s.worker_pid() for n, s in servers.items()})
         sampler.engines = {p: n for n, p in pids.items()}
@@ -266,8 +267,10 @@ def run_elastic(
             run.completions[name] = [server.complete(p, k) for p, k in PHASES[name]]
             time.sleep(0.5)
             s = sampler.sample()
-            say(f"{name}: {len(run.completions[name])} requests; budget {s.used // MiB} of "
-                f"{(s.size or 0) // MiB} MiB used (A {s.share.get('A', 0) // MiB}, B {s.share.get('B', 0) // MiB})")
+            say(
+                f"{name}: {len(run.completions[name])} requests; budget {s.used // MiB} of "
+                f"{(s.size or 0) // MiB} MiB used (A {s.share.get('A', 0) // MiB}, B {s.share.get('B', 0) // MiB})"
+            )
             return s
 
         full = phase("A loads", a)
@@ -280,10 +283,12 @@ def run_elastic(
         run.seen["a_limited"] = sampler.sample()
         idle = run.seen["a_status_limited_idle"]["memory"]["mapped_bytes"] // MiB
         after = run.seen["a_status_limited_idle_s"]
-        say(f"A limited to {A_IDLE_LIMIT // MiB} MiB while idle: {idle} MiB mapped {after:.1f} s later with no request"
+        say(
+            f"A limited to {A_IDLE_LIMIT // MiB} MiB while idle: {idle} MiB mapped {after:.1f} s later with no request"
             + (", then a utility call woke its engine core: " if run.seen["a_status_limited_poked"] else ": ")
             + f"{run.seen['a_status_limited']['memory']['mapped_bytes'] // MiB} MiB mapped, its worker's KV "
-            f"resident {run.seen['a_limited'].resident['A'] // MiB} MiB")
+            f"resident {run.seen['a_limited'].resident['A'] // MiB} MiB"
+        )
 
         run.seen["b_loaded"] = phase("B loads", b)
         run.seen["a_raise_reply"] = kvctl(runtime, "limit", str(pids["A"]), "none", "--json")
@@ -314,8 +319,10 @@ def run_elastic(
         time.sleep(0.5)
         run.seen["end"] = sampler.sample()
         after = run.seen["b_mapped_dead_share_after_s"]
-        say(f"A killed (SIGKILL) holding {before.share['A'] // MiB} MiB: B mapped beyond its "
-            f"{want // MiB} MiB " + ("never, within the bound" if after is None else f"{after:.1f} s later"))
+        say(
+            f"A killed (SIGKILL) holding {before.share['A'] // MiB} MiB: B mapped beyond its "
+            f"{want // MiB} MiB " + ("never, within the bound" if after is None else f"{after:.1f} s later")
+        )
         sampler.stop()
         run.samples, run.sampler_errors = sampler.samples, sampler.errors
         run.logs["B"] = b.log()

@@ -126,8 +126,13 @@ class Harness:
             raise ConfigError(f"harness: unknown model kind {cfg.kind!r}; choose from {', '.join(KINDS)}")
         self.block_size = kind_block_size(cfg.kind, cfg.tp, cfg.block_size, cfg.num_kv_heads, cfg.head_size)
         self.layer_specs = layer_specs(
-            cfg.kind, tp=cfg.tp, block_size=self.block_size, num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, sliding_window=cfg.sliding_window,
+            cfg.kind,
+            tp=cfg.tp,
+            block_size=self.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_size=cfg.head_size,
+            sliding_window=cfg.sliding_window,
             mamba_cache_mode=cfg.mamba_cache_mode,
         )
         self._model_dir = _write_model_dir(cfg, len(self.layer_specs))
@@ -136,9 +141,7 @@ class Harness:
         self.kv_cache_config = self._build_kv_cache_config()
         bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.kv_cache_config.hash_block_size = hash_bs
-        self.model = ModelStandIn(
-            self.block_size, self.real_bytes, cfg.vocab_size, state_groups=self.state_groups
-        )
+        self.model = ModelStandIn(self.block_size, self.real_bytes, cfg.vocab_size, state_groups=self.state_groups)
         self.step_index = 0
         self.history: list[StepRecord] = []
         self.load_checks: list[LoadCheck] = []

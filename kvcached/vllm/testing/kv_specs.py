@@ -113,7 +113,10 @@ def layer_specs(
     """Each layer's spec, in model order (vLLM groups layers by spec, so the order only names
     them). ``num_layers`` is layers per group, i.e. repeats of the kind's layer pattern."""
     attn: dict[str, Any] = {
-        "block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": head_size, "dtype": torch.float16
+        "block_size": block_size,
+        "num_kv_heads": num_kv_heads,
+        "head_size": head_size,
+        "dtype": torch.float16,
     }
     window = sliding_window or DEFAULT_WINDOW.get(kind)
     pattern: list[KVCacheSpec]
@@ -140,8 +143,10 @@ def layer_specs(
     else:
         raise ValueError(f"harness: unknown model kind {kind!r}; choose from {', '.join(KINDS)}")
     layers = pattern * num_layers
-    return {f"model.layers.{i}.{'linear_attn' if isinstance(s, MambaSpec) else 'self_attn.attn'}": s
-            for i, s in enumerate(layers)}
+    return {
+        f"model.layers.{i}.{'linear_attn' if isinstance(s, MambaSpec) else 'self_attn.attn'}": s
+        for i, s in enumerate(layers)
+    }
 
 
 def plan_kv_cache(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int) -> KVPlan:

@@ -91,8 +91,21 @@ class NodeB(Server):
 
     def argv(self) -> list[str]:
         shm = 'mount -t tmpfs -o size=2g,mode=1777 kvcached-node-b /dev/shm && exec "$@"'
-        return ["ip", "netns", "exec", self.pair.ns, "unshare", "--mount", "--propagation", "private",
-                "sh", "-c", shm, "node-b", *super().argv()]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.pair.ns,
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            shm,
+            "node-b",
+            *super().argv(),
+        ]
 
 
 @dataclass

@@ -175,7 +175,8 @@ class _Run:
             if not self.step():
                 running = len(h.scheduler.running)
                 self.f.fail(
-                    "hang", h.step_index,
+                    "hang",
+                    h.step_index,
                     f"still busy after {self.bound} steps ({running} running, {len(h.scheduler.waiting)} waiting)",
                 )
                 return
@@ -271,7 +272,10 @@ class _Run:
             bytes_checked=self.mem.bytes_checked,
         )
         return SeedResult(
-            seed=self.case.seed, variant=self.variant, failures=f.failures(), coverage=cov,
+            seed=self.case.seed,
+            variant=self.variant,
+            failures=f.failures(),
+            coverage=cov,
             config=self.case.describe(),
         )
 

@@ -144,8 +144,11 @@ class MemoryChecks:
         if not bad:
             return True
         self.f.fail(
-            "unmapped-touch", step, f"block {block} on unmapped page {bad[0]} (rank {rank}): {what}",
-            block=block, request=req,
+            "unmapped-touch",
+            step,
+            f"block {block} on unmapped page {bad[0]} (rank {rank}): {what}",
+            block=block,
+            request=req,
         )
         for p in bad:
             backend.expose(p)
@@ -184,16 +187,20 @@ class MemoryChecks:
                 want = b"".join(self._expected(req, p, hs[p], g, layer, rank) for p in range(start, start + n))
             self.bytes_checked += len(want)
             if got != want:
-                bad = n - 1 if state else next(
-                    i for i in range(n) if got[i * tb : (i + 1) * tb] != want[i * tb : (i + 1) * tb]
+                bad = (
+                    n - 1
+                    if state
+                    else next(i for i in range(n) if got[i * tb : (i + 1) * tb] != want[i * tb : (i + 1) * tb])
                 )
                 who = f"{'store' if check == 'store-bytes' else 'load'} job {job}: " if job is not None else ""
                 zero = " (all zeros)" if not any(got) else ""
                 self.f.fail(
-                    check, step,
+                    check,
+                    step,
                     f"{who}block {block} (rank {rank}, group {g}, layer {layer}) holds wrong bytes{zero} for token "
                     f"{start + bad} of request {req} (block index {k})",
-                    block=block, request=req,
+                    block=block,
+                    request=req,
                 )
                 self.verified.pop(key, None)
                 return False

@@ -99,6 +99,4 @@ class Findings:
             self.first[check] = Failure(check=check, step=step, detail=detail, block=block, request=request)
 
     def failures(self) -> tuple[Failure, ...]:
-        return tuple(
-            msgspec.structs.replace(self.first[c], count=self.counts[c]) for c in CHECKS if c in self.first
-        )
+        return tuple(msgspec.structs.replace(self.first[c], count=self.counts[c]) for c in CHECKS if c in self.first)

@@ -118,7 +118,8 @@ def _candidates(case: Case) -> Iterator[Case]:
             msgspec.structs.replace(a, shared=-1, shared_len=0) if a.shared >= 0 else None,
             msgspec.structs.replace(a, shared_len=a.shared_len // 2) if a.shared_len > 1 else None,
             msgspec.structs.replace(a, max_tokens=a.max_tokens // 2, stop_at=min(a.stop_at, a.max_tokens // 2))
-            if a.max_tokens > 1 else None,
+            if a.max_tokens > 1
+            else None,
             msgspec.structs.replace(a, stop_at=0) if a.stop_at else None,
             msgspec.structs.replace(a, follow_up=-1) if a.follow_up >= 0 else None,
         ]
@@ -127,9 +128,22 @@ def _candidates(case: Case) -> Iterator[Case]:
                 yield _replace_action(case, i, s)
     c = case.config
     default = SimConfig()
-    for name in ("async_scheduling", "worker_at_schedule", "late_steps", "sliding_window", "blocks_per_chunk",
-                 "max_cached_blocks", "min_reserved_pages", "max_reserved_pages", "eviction_policy", "cpu_blocks",
-                 "max_num_seqs", "max_num_batched_tokens", "page_blocks", "kind"):
+    for name in (
+        "async_scheduling",
+        "worker_at_schedule",
+        "late_steps",
+        "sliding_window",
+        "blocks_per_chunk",
+        "max_cached_blocks",
+        "min_reserved_pages",
+        "max_reserved_pages",
+        "eviction_policy",
+        "cpu_blocks",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "page_blocks",
+        "kind",
+    ):
         if getattr(c, name) != getattr(default, name):
             yield msgspec.structs.replace(case, config=msgspec.structs.replace(c, **{name: getattr(default, name)}))
     if c.tp != 1:
