@@ -32,7 +32,7 @@ def builds_at(rev: str, tmp: str) -> dict[str, str]:
     """{"pure@REV", "compiled@REV"}: ``kvcached`` and ``kvreplay`` as they were at git revision
     ``rev``, each build with its own copy of ``kvreplay`` (on ``PYTHONPATH`` it comes before the
     editable install's), the compiled one made by that revision's ``build-compiled.sh``. For a
-    comparison with older code in one run, as an issue's "today N events/s" was measured on a
+    comparison with older code in one run, as a stated "today N events/s" was measured on a
     machine whose speed has moved since."""
     src = os.path.join(tmp, f"src-{rev}")
     os.makedirs(src)

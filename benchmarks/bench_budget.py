@@ -1,7 +1,7 @@
 """What a shared budget costs an engine: its file operations and a scheduler call under it.
 
 Two figures, each measured for this work tree and for a reference commit (default: the one
-before issue 30's strict grants) side by side in one run, each in a child process whose
+before strict grants) side by side in one run, each in a child process whose
 ``PYTHONPATH`` is that tree's ``kvcached`` (the reference is checked out with ``git worktree``
 into a temporary folder):
 
@@ -30,7 +30,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REF = "a90ffd1"  # before issue 30's strict grants and in-place budget writes
+REF = "a90ffd1"  # before strict grants and in-place budget writes
 
 CHILD = textwrap.dedent(
     """

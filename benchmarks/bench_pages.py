@@ -15,7 +15,7 @@ packed floor; with a memory limit lowered mid-load and again when idle, the bloc
 evicts to reach it; and for both, the prefix-cache hit rate (prompt tokens found in the GPU
 prefix cache, from vLLM's own lookup) over the load.
 
-Then placement (issue 30): the manager's rules for which pages a run of blocks goes to
+Then placement: the manager's rules for which pages a run of blocks goes to
 (``kvcached.kv_cache_manager.Placement``) side by side on decode-shaped traffic, where
 fragmentation comes from: up to 128 requests decoding at once with staggered lengths (16..600
 tokens), arriving for ``--steps`` steps and then finishing with no more arrivals, no prefix
@@ -281,7 +281,7 @@ def placement_rows(seeds: list[int], load: int, drain: int, limit: int) -> None:
         Placement.WHOLE_PAGES: "whole pages, rest best fit (default)",
         Placement.BEST_FIT: "best fit (upstream #390)",
         Placement.FULLEST: "fullest page",
-        Placement.LOWEST: "lowest page (before issue 30)",
+        Placement.LOWEST: "lowest page (the old rule)",
     }
     total = -(-DECODE.num_gpu_blocks // PAGE_BLOCKS)
     print(

@@ -16,16 +16,16 @@ The synthetic traces are ``synth.workload(7, preempt_every=0)`` (see ``generate`
 * minimize: time and result size of ``kvreplay minimize`` on the randomized workload with
   decisions derived under ``legacy`` (which shows freed-block copies).
 * instructions (``--parts instructions``, needs valgrind): instructions per replayed event,
-  which do not drift with the machine as its clock does (issue 18: on this shared 2-core
-  machine the same build's events/s swing by 40% within an hour). callgrind counts a whole
+  which do not drift with the machine as its clock does (on this shared 2-core machine
+  the same build's events/s swing by 40% within an hour). callgrind counts a whole
   ``run_check`` child on two prefixes of one synthetic trace (131,072 and 300,000 events); the
   difference over the events between them leaves out start-up and imports.
 * against (``--against REV``): the same check (and instructions) for the code at git revision
   REV too, pure and compiled, run round by round beside this tree's (``--runs`` rounds of one
   run per build), with each build's ratio over REV's: the median of the per-round ratios. This
   is how a target stated against an old figure is judged on a machine whose speed has moved
-  since (issue 18's "today 594k median" compiled and 461k pure were measured at 31d5a87; that
-  code replays 409k-561k and 287k-398k on this machine now).
+  since (the figures the targets were set against, 594k median compiled and 461k pure, were
+  measured at 31d5a87; that code replays 409k-561k and 287k-398k on this machine now).
 
     python benchmarks/bench_replay.py [--runs 3] [--check-events 1000000] [--sizes 1e6,5e6,1e7]
         [--parts check,memory,minimize,instructions] [--against REV] [--json]
@@ -52,7 +52,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 65536
-# Issue 18's targets for kvreplay check on the synthetic workload.
+# Targets for kvreplay check on the synthetic workload, in events/s.
 TARGETS = {"pure": 500_000, "compiled": 1_000_000}
 
 

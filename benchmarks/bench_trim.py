@@ -1,7 +1,7 @@
 """A shrink that lets many pages go at once: ``PageAllocator._trim`` per page, as the count grows.
 
 The allocator gives back its highest let-go page first. Taking ``max()`` of the set of let-go
-pages for each page made a pass over N pages cost O(N^2) (issue 30); one heap per pass makes it
+pages for each page makes a pass over N pages cost O(N^2); one heap per pass makes it
 O(N log N), so the time per page should stay about flat as N grows. The backend here maps and
 unmaps nothing (a stand-in that only counts), so what is timed is kvcached's own bookkeeping
 and the ledger's ``PageUnmapped`` events, not the memory calls. Median of ``--runs``.

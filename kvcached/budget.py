@@ -11,7 +11,7 @@ user's own and not a link), read and changed only under ``fcntl.flock`` of a loc
 it. Since every reader takes the lock, a change rewrites the file in place (one ``pwrite`` of at
 most a page, which a killed process leaves whole; a larger state is written beside and renamed
 over): a grant and a release cost about 11 us each on tmpfs, against 140 us when each change
-wrote a new file and looked up every engine in ``/proc`` (issue 30). Each engine's share is
+wrote a new file and looked up every engine in ``/proc``. Each engine's share is
 keyed by pid, process start time (``/proc/<pid>/stat`` field 22, so a pid reused by another
 process is not taken for the engine) and a per-process tag (one process may run several
 engines, as the tests do). The shares of dead processes are dropped when they could matter: when

@@ -57,7 +57,7 @@ class Placement(enum.Enum):
     BEST_FIT = "best-fit"
     # The fullest partly used page, the lowest among equals, whatever the run.
     FULLEST = "fullest"
-    # This project's rule before issue 30: the lowest partly used page.
+    # The lowest partly used page: this project's old rule, kept for comparison.
     LOWEST = "lowest"
 
 

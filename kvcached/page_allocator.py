@@ -33,7 +33,7 @@ between them; so the pages a count promises beyond those mapped are *leased*: th
 taken from the budget when the count is made, spent by the maps, and what is left goes back at
 the next drain (the end of the scheduler call). What the budget cannot grant is not counted, so
 vLLM sees fewer free blocks rather than a failed allocation, and the budget is never exceeded
-(before issue 30 such a page was mapped anyway, as an overdraft). The cost is one grant and one
+(no page is mapped beyond it as an overdraft). The cost is one grant and one
 release per scheduler call that counts with room to grow (about 11 us each on tmpfs), and
 engines whose scheduler calls overlap see each other's leases as used for that long.
 """
@@ -411,7 +411,7 @@ class PageAllocator:
         kept: list[int] = []
         gone = 0
         # The top of the range goes first. One heap for the pass: taking max() of the set for each
-        # page made a shrink that lets many pages go at once quadratic (issue 30).
+        # page would make a shrink that lets many pages go at once quadratic.
         order = [-p for p in self._goable]
         heapq.heapify(order)
         try:

@@ -6,7 +6,7 @@ source "$(dirname "$0")/_env.sh"
 ensure_vllm_env
 GOLDEN=(finish-in-write-step finished-store-next-build sliding-window preempt-shrink tp2-late-report random-workload-1)
 .venv-vllm/bin/python -m kvcached.vllm.testing.scenarios --capture traces "${GOLDEN[@]}"
-# SGLang 0.5.23's pool, allocator, host pool and HiCacheController with kvcached (issue 29).
+# SGLang 0.5.23's pool, allocator, host pool and HiCacheController with kvcached.
 ensure_sglang_env
 .venv-sglang/bin/python -m kvcached.sglang.testing.scenarios --capture traces
 # The served pair: `vllm serve` (vLLM's CPU build) with kvcached, kvcached PR #598's validation load.

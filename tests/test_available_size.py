@@ -62,7 +62,7 @@ def move(m: KVCacheManager, op: str, x: int, held: list[int], build: int) -> tup
 
 
 def test_the_short_last_page_is_not_counted_as_a_full_one() -> None:
-    # The reproduction of the issue: 28 blocks, 8 per page (the last page holds 4).
+    # The smallest reproduction: 28 blocks, 8 per page (the last page holds 4).
     m = manager(28, 8)
     try:
         blocks = m.alloc(28)

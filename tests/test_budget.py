@@ -309,7 +309,7 @@ class CountingBudget:
 
 
 def test_pages_that_go_together_are_given_back_in_one_budget_change(bdir) -> None:
-    """Issue 30: a shrink gave each page back with its own locked rewrite of the budget's file."""
+    """A shrink gives its pages back in one locked rewrite of the budget's file, not one per page."""
     bud = Budget.open("gpu0", 8 * PAGE, directory=bdir)
     counting = CountingBudget(bud)
     m = manager(counting)  # type: ignore[arg-type]
@@ -325,7 +325,7 @@ def test_pages_that_go_together_are_given_back_in_one_budget_change(bdir) -> Non
         bud.close()
 
 
-# --- what is at a budget's paths (issue 30: regular files only, never a link, bounded waits) -----
+# --- what is at a budget's paths (regular files only, never a link, bounded waits) ---------------
 
 
 def _plant(path: str, what: str, target: str) -> None:

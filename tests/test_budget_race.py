@@ -1,4 +1,4 @@
-"""A shared budget is never exceeded, however the engines on it race (issue 30).
+"""A shared budget is never exceeded, however the engines on it race.
 
 Before, a page that an engine's free-block count had promised vLLM was mapped even when another
 engine had taken the budget's last bytes between the count and the map (an overdraft: the

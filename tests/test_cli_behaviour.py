@@ -1,4 +1,4 @@
-"""kvreplay, kvctl and kvsim fail alike (issue 27's "one behaviour", ``tools/kvcli``).
+"""kvreplay, kvctl and kvsim fail alike (one behaviour, ``tools/kvcli``).
 
 0 done, 1 a failed run, 2 a usage error in one line naming ``--help``; ``--version`` on each; a
 plain user error (a count of -1, nan or 1e400, a picture format matplotlib cannot write, no
@@ -144,7 +144,7 @@ def test_demo_json_is_one_object_per_scenario_and_policy() -> None:
 
 def test_a_trace_too_large_for_the_memory_limit_is_one_line_not_a_bug(tmp_path: Path) -> None:
     """A header may declare up to 2**24 blocks (ledger tables of 1 to 2 GB): under a memory limit
-    that is out of memory, said in one line with exit 1, not an internal error (issue 30)."""
+    that is out of memory, said in one line with exit 1, not an internal error."""
     from kvcached.ledger.events import BuildBoundary, Header, Policy, PoolGeometry
     from kvcached.ledger.journal import JournalWriter
 

@@ -1,4 +1,4 @@
-"""What kvreplay's and kvsim's lines say (issue 27's "one behaviour"): a block list spelled one
+"""What kvreplay's and kvsim's lines say (one behaviour across the tools): a block list spelled one
 way in every subcommand, sizes in their unit, counts that agree with their nouns, ``--json``
 where ``demo --save`` prints data, and a usage error that names the sub-command's ``--help``.
 

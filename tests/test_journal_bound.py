@@ -1,4 +1,4 @@
-"""Issue 27, "bounded disk": the real ledger service run past its journal's size bound keeps a
+"""Bounded disk: the real ledger service run past its journal's size bound keeps a
 journal that kvreplay replays from its snapshot, never deletes a file it did not write, and keeps
 only its newest flight-recorder dumps; a journal missing its head without the writer's note
 stays an error."""

@@ -172,7 +172,7 @@ def raw_header(page_bytes: int, pools: list[tuple[int, int]]) -> bytes:
 @pytest.mark.parametrize(
     ("pools", "words"),
     [
-        # The 171-byte file: 2**26 blocks took 7.5 GB and 20 s before it was refused.
+        # A 171-byte file: 2**26 blocks, which once took 7.5 GB and 20 s to be refused.
         ([(1024, 1 << 26)], ("67,108,864 KV blocks", "more than a GPU holds")),
         ([(1024, (1 << 24) + 1)], ("16,777,217 KV blocks",)),
         ([(1024, 1 << 40)], ("KV blocks",)),

@@ -383,7 +383,7 @@ def test_kvctl_pins_status_why_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_kvctl_errors_are_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A failed run (no engine there, a refused request): exit 1 since issue 27 (it was 2, now the usage error's).
+    # A failed run (no engine there, a refused request): exit 1 (2 is the usage error's).
     missing = str(tmp_path / "nope.sock")
     stale = str(tmp_path / "stale.sock")
     with socket.socket(socket.AF_UNIX) as s:

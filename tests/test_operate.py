@@ -447,7 +447,7 @@ def test_a_dead_socket_is_not_listed_as_alive(
 
 @pytest.mark.parametrize(
     ("argv", "message", "exit"),
-    [  # 2: the command line is wrong; 1: the engine is not there or refuses (issue 27: they were all 2)
+    [  # 2: the command line is wrong; 1: the engine is not there or refuses
         (["limit", "12x"], "not a size", 2),
         (["limit", "a", "b", "c"], "one value", 2),
         (["limit-percent", "150"], "from 0 to 100", 2),

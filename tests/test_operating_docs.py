@@ -3,8 +3,8 @@
 An alert on a misspelt series never fires and a panel on one stays empty, silently; this test
 reads both as Prometheus and Grafana would (the rules' YAML block, the dashboard's JSON) and
 checks every ``vllm:kvcached_*`` name in them against the collector's table, the one place the
-names are made (``kvcached.vllm.api_server.metrics.SERIES``), and that the alerts the issue asked
-for exist: the first violation, events dropped, a shrink waiting more than 10 minutes.
+names are made (``kvcached.vllm.api_server.metrics.SERIES``), and that the alerts operators need
+exist: the first violation, events dropped, a shrink waiting more than 10 minutes.
 """
 
 from __future__ import annotations

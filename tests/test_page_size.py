@@ -1,6 +1,6 @@
 """The page kvcached chooses for a KV block when KVCACHED_PAGE_SIZE_MB is unset, and the hints it
-gives when a page the user set does not fit (kvcached/page_size.py; issue 28, "it just works at
-default settings"). The blocks are the kinds vLLM's CPU build served: MLA's 576-wide latent
+gives when a page the user set does not fit (kvcached/page_size.py), so that it just works at
+default settings. The blocks are the kinds vLLM's CPU build served: MLA's 576-wide latent
 (18432 B per 16 tokens, 147456 B per 128), a Mamba2 state (1085440 B), power-of-two attention."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where ``KVCacheManager.alloc`` puts blocks (``Placement``, issue 30): each rule on a sequence
+"""Where ``KVCacheManager.alloc`` puts blocks (``Placement``): each rule on a sequence
 where it differs from the others, the default emptying a page that the old lowest-first rule
 keeps, the duplicate check of free and take, and stale bucket entries dropped. The fields'
 invariants (the buckets by free count among them) after random moves under every rule are
@@ -50,7 +50,7 @@ def test_a_decode_block_goes_to_the_fullest_page_which_lets_the_sparse_one_empty
 
 
 def test_the_default_rule_empties_the_page_the_old_one_keeps(make: Make) -> None:
-    # The test that fails under the rule before issue 30: the default is not lowest-first.
+    # The test that fails under the old lowest-first rule: the default is not lowest-first.
     m = manager(32, 4)
     try:
         a = m.alloc(8)

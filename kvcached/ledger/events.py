@@ -23,7 +23,7 @@ import msgspec
 
 from ..errors import ConfigError
 
-# Still 1 with ``BuildBoundary.at_us`` appended (issue 27): a reader that predates a trailing
+# Still 1 with ``BuildBoundary.at_us`` appended: a reader that predates a trailing
 # field ignores it (docs/trace-format.md, "Versioning"), and this one reads a boundary without it.
 FORMAT_VERSION: Final = 1
 

@@ -1,1 +1,1 @@
-"""kvcached under SGLang: elastic pages behind SGLang's KV pools, HiCache copies pinned (issue 29)."""
+"""kvcached under SGLang: elastic pages behind SGLang's KV pools, HiCache copies pinned."""

@@ -1,4 +1,4 @@
-"""Model kinds beyond the llama, served (issue 28), on vLLM's CPU build.
+"""Model kinds beyond the llama, served on vLLM's CPU build.
 
 First, that the tiny models of ``kvcached.testing.tiny_kinds`` are witnesses at all: each kind,
 built with transformers' own config class, must give different greedy next tokens for the
@@ -65,7 +65,7 @@ def test_each_kind_answers_prompts_differently(kind: str, tmp_path: Path) -> Non
 
 @dataclass(frozen=True)
 class Served:
-    """How a kind is served here and what ``legacy`` shows for it (measured; see the issue 28 note)."""
+    """How a kind is served here and what ``legacy`` shows for it (measured; the comments below say why)."""
 
     page_mb: str | None  # KVCACHED_PAGE_SIZE_MB for both kvcached servers; None: kvcached chooses
     # Whether the OffloadingConnector copies anything for the kind: vLLM turns prefix caching off

@@ -183,7 +183,7 @@ def test_a_halved_limit_under_load_gives_memory_back_and_changes_no_output(serve
 
 
 def test_a_limit_below_one_request_is_refused_and_changes_nothing(served: dict[str, Any]) -> None:
-    """Issue 27: a served engine's floor is what one request of its max_model_len needs (vLLM's
+    """A served engine's floor is what one request of its max_model_len needs (vLLM's
     own count per KV cache group); a limit under it is one line and exit 1, and the limit stays."""
     seen = served["seen"]
     mem = seen["status_limited"]["memory"]

@@ -174,7 +174,7 @@ def test_ledger_journal_replays_clean(runs: dict[str, Run]) -> None:
 
 
 def test_a_served_journal_finds_a_build_by_its_time(runs: dict[str, Run]) -> None:
-    """A served engine stamps its build boundaries (issue 27), so an incident's time on a
+    """A served engine stamps its build boundaries with their time, so an incident's time on a
     dashboard leads to its build: ``kvreplay show --at`` halfway between two boundaries names the
     later one's build, as the engine ran it."""
     from kvcached.ledger.events import BuildBoundary

@@ -1,7 +1,7 @@
 """Build boundaries that say when, on vLLM's real Scheduler and OffloadingConnector.
 
 An incident seen on a dashboard at 14:05 must be findable in the journal (``kvreplay show
---at``), so a served engine's boundaries carry the time (issue 27): microseconds on the
+--at``), so a served engine's boundaries carry the time: microseconds on the
 monotonic clock after the header's wall-clock base. A scenario or kvsim seed must give the same
 bytes on every run, so its engines (``EngineConfig.clock`` False, the default) write none. With
 the bridge emitting ``BuildBoundary(build)`` without ``recorder.stamp()`` (the old code) the

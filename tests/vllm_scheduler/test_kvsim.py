@@ -31,7 +31,7 @@ TRACES = Path(__file__).resolve().parents[2] / "traces"
 
 # A seed of each model kind (draw.KINDS; sync and async, TP 2 with a late rank, preemptions), each
 # with a load back from the CPU tier, on which the ledger variant passes every check (found by
-# `kvsim run --seeds 1-200`; the seeds drew other cases before the kinds came, issue 28). Clean on
+# `kvsim run --seeds 1-200`; the seeds drew other cases before the kinds came). Clean on
 # vLLM 0.33.0 and the CPU build 0.32.0 both: sliding's first such seed, 68, preempts a request with
 # a load in flight, on which 0.32.0's OffloadingConnectorScheduler.build_connector_meta asserts
 # (as in test_scenarios' preempt-shrink); 135 is the next sliding seed with a load back.
@@ -209,7 +209,7 @@ def test_a_stale_window_store_is_a_foreign_store_on_vllm_alone() -> None:
     assert f.check == "store-bytes" and "group 1" in f.detail and "request req-0 (block index 2)" in f.detail, f.line()
     i5 = [f for f in run_case(case, "ledger").failures if f.check == "ledger"]
     # The chunk's stale ids are [7, 8], both given to req-1 since; with vLLM's hybrid KV cache
-    # manager on, as a GPU engine runs it (the harness, issue 28), I5 names block 8 first.
+    # manager on, as a GPU engine runs it (the harness), I5 names block 8 first.
     assert i5 and "I5 store-of-foreign-block" in i5[0].detail and "store job 3 of request req-0" in i5[0].detail
     assert any(f"copies block {b} " in i5[0].detail for b in (7, 8)), i5[0].detail
 

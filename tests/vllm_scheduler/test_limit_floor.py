@@ -1,4 +1,4 @@
-"""The floor of ``kvctl limit``, from vLLM's real Scheduler and its KV cache groups (issue 27).
+"""The floor of ``kvctl limit``, from vLLM's real Scheduler and its KV cache groups.
 
 A limit below what one request of max_model_len needs leaves an engine that admits nothing and
 waits for memory that never comes, so ``LiveControl.set_limit`` refuses it unless forced; the

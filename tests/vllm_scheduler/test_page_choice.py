@@ -1,5 +1,5 @@
 """``kv_layout.plan`` over real vLLM KV cache configs whose block does not divide the default page
-(issue 28, "it just works at default settings"): with KVCACHED_PAGE_SIZE_MB unset the engine
+(it must just work at default settings): with KVCACHED_PAGE_SIZE_MB unset the engine
 core's plan and the worker's allocation choose the same page for their backend, the engine core
 says so once, and a page the user set that does not fit is refused with a hint true for it."""
 
@@ -48,7 +48,7 @@ def per_layer(spec: Any, num_blocks: int = 200) -> KVCacheConfig:
 
 
 MLA = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)  # 18432 B a layer
-# A Mamba2 state of 1085440 B (265 OS pages), the size issue 28's Mamba2 model had.
+# A Mamba2 state of 1085440 B (265 OS pages), the state size of a real Mamba2 model.
 MAMBA2 = MambaSpec(block_size=2048, shapes=((265, 1024),), dtypes=(torch.float32,))
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)  # 64 KiB
 

@@ -54,7 +54,7 @@ def agree(pool, m, w) -> None:
 
 
 def test_touch_of_a_free_block_takes_it_from_kvcached_as_vllm_takes_it_from_its_queue() -> None:
-    """The issue's smallest case: vLLM alone hands out block 2 after block 1 is touched."""
+    """The smallest case: vLLM alone hands out block 2 after block 1 is touched."""
     alone = vllm_pool(9)
     alone.touch([alone.blocks[1]])
     assert ids(alone.get_new_blocks(1)) == [2]

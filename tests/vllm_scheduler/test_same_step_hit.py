@@ -1,6 +1,6 @@
-"""A same-step prefix hit on a block whose write the bridge defers is no foreign store (issue 30).
+"""A same-step prefix hit on a block whose write the bridge defers is no foreign store.
 
-Issue 30, "A false I5 on a served engine": vLLM's ``KVCacheManager.allocate_slots`` caches a
+A false I5 on a served engine: vLLM's ``KVCacheManager.allocate_slots`` caches a
 request's full prompt blocks as soon as it allocates them, so a request scheduled later in the
 same ``Scheduler.schedule`` can take such a block as a prefix hit. Here, under async scheduling
 (case 2 of kvcached PR #598), request A finishes and frees its blocks; the next schedule gives

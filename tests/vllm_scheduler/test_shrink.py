@@ -171,7 +171,7 @@ def test_bytes_and_the_reserve_in_bytes(elastic) -> None:
 
 
 def test_an_engine_holds_only_what_it_maps_once_built_and_after_each_call(elastic, tmp_path) -> None:
-    """A count leases the budget's room for the blocks it promises (issue 30's strict grants);
+    """A count leases the budget's room for the blocks it promises (strict grants);
     the null block's allocation at start counted, and the engine kept that lease while idle, so a
     second engine on the budget found it full and could not start."""
     d = tmp_path / "budgets"

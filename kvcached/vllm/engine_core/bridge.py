@@ -294,7 +294,7 @@ class Bridge:
         allocates them (``cache_blocks``), before ``Scheduler.schedule`` matches the next
         waiting request (``get_computed_blocks``). What that request reads there is the KV its
         first holder writes in this step, its own prefix: its hold is told after that write
-        too, or its own later store of the block would be I5's foreign store (issue 30). No
+        too, or its own later store of the block would be I5's foreign store. No
         unflushed store of this build reads a block told late (or it would be told at once),
         so moving the hold past the jobs hides nothing a store here copies."""
         flushed: set[int] = set()
