@@ -25,8 +25,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 if os.environ.get("PYTHONHASHSEED") != "0":  # a seed repeats exactly only with the hash seed pinned
     os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, PYTHONHASHSEED="0"))
 
-from kvcached.vllm.testing.sim.result import CHECKS, Coverage, SeedResult
 from kvsim.cli import VARIANTS, _run_seed, parse_seeds
+from kvsim.on_vllm.result import CHECKS, Coverage, SeedResult
 
 
 def main(argv: list[str] | None = None) -> int:

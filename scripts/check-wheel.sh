@@ -44,7 +44,7 @@ one() {  # one NAME [VAR=VALUE...]: build with the given environment, install, r
 import sys, tarfile, zipfile
 name, whl, sdist = sys.argv[1:]
 files = zipfile.ZipFile(whl).namelist()
-need = ["kvcached/py.typed", "kvcached/__init__.pyi", "kvcached/vllm/testing/sim/execute.py", "kvreplay/cli.py",
+need = ["kvcached/py.typed", "kvcached/__init__.pyi", "kvsim/on_vllm/execute.py", "kvreplay/cli.py",
         "kvctl/cli.py", "kvsim/cli.py", "kvcached/vllm/engine_core/connector.py"]
 missing = [n for n in need if n not in files]
 licence = [n for n in files if n.endswith(".dist-info/licenses/LICENSE")]

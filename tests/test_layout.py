@@ -44,14 +44,16 @@ def test_a_served_engine_reaches_no_scaffolding_and_no_optional_dependency() -> 
 
 
 ENGINES = {"vllm": "kvcached.vllm", "sglang": "kvcached.sglang"}
+# An engine is imported by its wing, and by kvsim's room for that engine (a tool), nowhere else.
+ENGINE_ROOMS = {"vllm": (ENGINES["vllm"], "kvsim.on_vllm"), "sglang": (ENGINES["sglang"], "kvsim.on_sglang")}
 
 
 def test_only_an_engines_package_imports_that_engine() -> None:
     edges = import_graph.graph(typing=True)
-    for engine, package in ENGINES.items():
+    for engine, packages in ENGINE_ROOMS.items():
         importers = {m for m, deps in edges.items() if engine in deps}
-        strays = {m for m in importers if m != package and not m.startswith(package + ".")}
-        assert not strays, f"{sorted(strays)} import {engine} outside {package}"
+        strays = {m for m in importers if not any(m == p or m.startswith(p + ".") for p in packages)}
+        assert not strays, f"{sorted(strays)} import {engine} outside {packages}"
     assert any("vllm" in deps for deps in edges.values())  # the rule looks at real imports
 
 
@@ -218,3 +220,59 @@ def test_kvsim_without_vllm_says_what_to_install_in_one_line() -> None:
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert f"install vLLM {VLLM.newest}" in done.stderr
+
+
+TOOLS = ("kvreplay", "kvctl", "kvsim", "kvcli")
+
+
+def _cross_tool_cli_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted(
+        (m, t) for m, ts in edges.items() for t in ts if t.endswith(".cli") and t.split(".")[0] != m.split(".")[0]
+    )
+
+
+def test_a_tool_calls_another_tools_functions_never_its_command_line() -> None:
+    """kvsim writes a golden trace's check report with kvreplay's ``run_check``, not by running
+    ``kvreplay check --json`` and reading its stdout; and the package imports no tool at all."""
+    edges = import_graph.graph(typing=True)
+    assert _cross_tool_cli_imports(edges) == []
+    assert _cross_tool_cli_imports({"kvsim.on_vllm.shrink": {"kvreplay.cli"}}) == [
+        ("kvsim.on_vllm.shrink", "kvreplay.cli")
+    ]
+    upward = sorted((m, t) for m, ts in edges.items() if m.startswith("kvcached") for t in ts if t.startswith(TOOLS))
+    assert upward == []
+
+
+def _private_reads(source: str) -> list[str]:
+    """``x._name`` on anything but ``self`` or ``cls`` (dunders aside)."""
+    import ast
+
+    return [
+        f"{ast.unparse(node.value)}.{node.attr} (line {node.lineno})"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    ]
+
+
+def test_kvsim_reaches_the_harness_and_the_stacks_through_their_public_faces() -> None:
+    found = {
+        str(p.relative_to(ROOT)): reads
+        for p in sorted((ROOT / "tools" / "kvsim").rglob("*.py"))
+        if (reads := _private_reads(p.read_text()))
+    }
+    assert found == {}
+    assert _private_reads("step = self.h._executing\nself._x = 1\n") == ["self.h._executing (line 1)"]
+
+
+def test_a_planted_bug_is_chosen_by_a_name_the_registry_has() -> None:
+    from kvcached.testing import plants
+
+    assert {"no-poll", "no-hold", "evict-on-free", "zero-loads", "foreign-store"} <= set(plants.PLANTS)
+    try:
+        with plants.planted("no-pol"):
+            raise AssertionError("planted an unknown bug")
+    except ValueError as e:
+        assert str(e).startswith("no planted bug 'no-pol'; one of no-poll, ")

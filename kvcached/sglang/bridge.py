@@ -61,10 +61,6 @@ class Bridge:
         self._next_job = 0
         # Jobs submitted and not yet seen done, with their finish events.
         self.outstanding: dict[int, Any] = {}
-        # Planted-bug switch for the tests (``tests/sglang_engine``, kvsim's ``no-poll``): a bridge
-        # that forgets the copies whose acknowledgements a reset dropped, as SGLang does, leaves
-        # their pages pinned for ever (I4).
-        self.poll_orphans = True
         # Overlap scheduling (``Scheduler.event_loop_overlap``): in step k the results of step
         # k - 1 are processed, and its finished requests freed, after step k's forward was
         # launched, which may still read those slots (it was built before they finished) until
@@ -159,7 +155,11 @@ class Bridge:
                 self.recorder.emit(JobReported(job, 1))
 
     def cache_reset(self) -> None:
-        """The allocator is about to free every slot (``flush_cache``'s ``clear``)."""
-        if not self.poll_orphans:
-            self.outstanding.clear()  # the planted bug: trust the reset's dropping of the acks
+        """The allocator is about to free every slot (``flush_cache``'s ``clear``).
+
+        NOTE: the copies in flight stay in ``outstanding``: SGLang's reset drops their
+        acknowledgements (``HiCacheController.reset``), but a copy still reads its pages until its
+        finish event says it is done, so ``poll`` goes on asking (forgetting them here would pin
+        their pages for ever, I4: the ``no-poll`` planted bug of ``kvcached.testing.plants``).
+        """
         self.recorder.emit(PrefixCacheReset())

@@ -75,7 +75,7 @@ class ModelStandIn:
         """A token id other than 0 from hash bytes."""
         return 1 + int.from_bytes(digest, "little") % (self.vocab_size - 1)
 
-    def _hashes(self, req_id: str, upto: int) -> list[bytes]:
+    def prefix_hashes(self, req_id: str, upto: int) -> list[bytes]:
         """Prefix hashes h[p] of the request's tokens [0, p], so KV depends on the whole prefix."""
         tokens = self._tokens[req_id]
         hs = self._prefix_hashes.setdefault(req_id, [])
@@ -108,7 +108,7 @@ class ModelStandIn:
     def kv_bytes(self, req_id: str, position: int, group: int, layer: int, rank: int) -> bytes:
         """What the stand-in writes for one token slot of one layer on one rank; in a state
         group, the whole state after the prefix that ends at ``position``."""
-        h = self._hashes(req_id, position + 1)[position]
+        h = self.prefix_hashes(req_id, position + 1)[position]
         if group in self.state_groups:
             return hashlib.shake_128(h + bytes((group, layer, rank, 255))).digest(self.page_bytes(group))
         return hashlib.shake_128(h + bytes((group, layer, rank))).digest(self.token_bytes(group))
@@ -171,7 +171,7 @@ class ModelStandIn:
             tokens = self._tokens[row.req_id]
             if row.end > len(tokens):
                 raise RuntimeError(f"stand-in: {row.req_id} computed up to {row.end}, knows {len(tokens)} tokens")
-            token = self._token(self._hashes(row.req_id, row.end)[row.end - 1][:4])
+            token = self._token(self.prefix_hashes(row.req_id, row.end)[row.end - 1][:4])
             if row.end == len(tokens):
                 tokens.append(token)
             elif tokens[row.end] != token:  # recomputed after a preemption: the same prefix, the same token

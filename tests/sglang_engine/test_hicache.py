@@ -18,6 +18,7 @@ from kvcached.ledger.journal import read_journal
 from kvcached.ledger.ledger import Ledger
 from kvcached.sglang.testing.scenarios import config, flush_under_backup
 from kvcached.sglang.testing.stack import HiCacheStack, same
+from kvcached.testing.plants import planted
 
 
 @pytest.fixture
@@ -69,11 +70,11 @@ def test_ledger_keeps_the_pages_until_the_copy_is_done(make):
 def test_without_the_poll_the_pin_never_ends(make):
     """The planted bug: the bridge forgets copies whose ack the reset dropped."""
     stack = make(Policy.LEDGER)
-    stack.engine.bridge.poll_orphans = False
-    written, copied = flush_under_backup(stack)
-    assert same(written, copied)
-    for _ in range(20):
-        stack.step()
+    with planted("no-poll"):
+        written, copied = flush_under_backup(stack)
+        assert same(written, copied)
+        for _ in range(20):
+            stack.step()
     assert stack.mapped_pages == 3
     assert "I4" in _invariants(stack)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvcached.sglang.testing.sim import VARIANTS, draw, run_case
+from kvsim.on_sglang import VARIANTS, draw, run_case
 
 SEEDS = range(30)
 

@@ -19,7 +19,7 @@ from kvcached.vllm.patches import VLLM
 from kvcached.vllm.testing import scenarios
 from kvcached.vllm.testing.harness import Harness, HarnessConfig
 from kvcached.vllm.testing.kv_specs import KINDS
-from kvcached.vllm.testing.sim.draw import KINDS as SIM_KINDS
+from kvsim.on_vllm.draw import KINDS as SIM_KINDS
 
 pytestmark = pytest.mark.vllm
 

@@ -19,11 +19,12 @@ import msgspec
 import pytest
 import vllm
 
+from kvcached.testing.plants import planted
 from kvcached.vllm.testing.harness import Harness
-from kvcached.vllm.testing.sim import execute
-from kvcached.vllm.testing.sim.draw import KINDS, Add, Case, Reset, SimConfig, Step, draw
-from kvcached.vllm.testing.sim.execute import run_case
-from kvcached.vllm.testing.sim.shrink import read_case
+from kvsim.on_vllm import execute
+from kvsim.on_vllm.draw import KINDS, Add, Case, Reset, SimConfig, Step, draw
+from kvsim.on_vllm.execute import run_case
+from kvsim.on_vllm.shrink import read_case
 
 pytestmark = pytest.mark.vllm
 
@@ -83,25 +84,12 @@ def test_a_seed_repeats_exactly() -> None:
     assert msgspec.json.encode(first) == msgspec.json.encode(again)
 
 
-def test_a_store_of_another_requests_block_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_store_of_another_requests_block_is_caught() -> None:
     # Planted: the worker stores, for every store job, block 1 in place of the job's first
     # block: the bytes of whichever request holds block 1 go under this request's key.
-    from kvcached.vllm.offload import cpu as cpu_offload
-
-    real_plan = cpu_offload.KvcachedCPUOffloadingWorker.plan
-
-    def plan(self: Any, job_id: int, device_spec: Any, host_spec: Any, **kw: Any) -> Any:
-        if not isinstance(device_spec, cpu_offload.GPULoadStoreSpec):  # vLLM 0.34's DevicePointers
-            device_spec = self._spec_of_pointers(job_id, device_spec)
-        ids = [int(b) for b in device_spec.block_ids]
-        if kw.get("is_store") and ids and ids[0] != 1:
-            ids[0] = 1
-            device_spec = type(device_spec)(ids, device_spec.group_sizes, device_spec.block_indices)
-        return real_plan(self, job_id, device_spec, host_spec, **kw)
-
-    monkeypatch.setattr(cpu_offload.KvcachedCPUOffloadingWorker, "plan", plan)
     case = Case(seed=0, config=SimConfig(), actions=(Add(1, 70, 1), Step(2), Add(2, 70, 1)))
-    res = run_case(case, "vllm")
+    with planted("foreign-store"):
+        res = run_case(case, "vllm")
     assert "store-bytes" in res.checks(), [f.line() for f in res.failures]
 
 

@@ -1,1 +1,6 @@
-"""kvsim: the command line of the seeded simulation in ``kvcached.vllm.testing.sim`` (``cli``)."""
+"""kvsim: seeded simulation of the real engines' schedulers over kvcached, with faults.
+
+``cli`` is the command; ``on_vllm`` runs vLLM's real scheduler and connector (through kvcached's
+scheduler harness), ``on_sglang`` SGLang's real pool, allocator and HiCache. A tool, never
+imported by a served process.
+"""

@@ -27,7 +27,7 @@ from typing import Any
 import kvcli
 
 VARIANTS = ("ledger", "legacy", "never-unmap", "vllm")
-# ``--engine sglang``: kvcached.sglang.testing.sim (SGLang's pool, allocator and HiCache; run in
+# ``--engine sglang``: kvsim.on_sglang (SGLang's pool, allocator and HiCache; run in
 # the SGLang environment); two of its variants are planted bugs its checks must catch.
 SGLANG_VARIANTS = ("ledger", "legacy", "no-hold", "no-poll")
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Checked here, before the seed runs: a misspelt check used to run every variant (minutes with
     # vLLM) only to say the seed does not fail it. result imports msgspec alone, never vLLM.
-    from kvcached.vllm.testing.sim.result import CHECKS
+    from kvsim.on_vllm.result import CHECKS
 
     s.add_argument(
         "--check",
@@ -114,15 +114,15 @@ def _quiet() -> None:
 
 
 def _run_seed(seed: int, variants: tuple[str, ...]) -> list[Any]:
-    from kvcached.vllm.testing.sim.draw import draw
-    from kvcached.vllm.testing.sim.execute import run_case
+    from kvsim.on_vllm.draw import draw
+    from kvsim.on_vllm.execute import run_case
 
     case = draw(seed)
     return [run_case(case, v) for v in variants]
 
 
 def _run_sglang_seed(seed: int, variants: tuple[str, ...]) -> list[Any]:
-    from kvcached.sglang.testing.sim import draw, run_case
+    from kvsim.on_sglang import draw, run_case
 
     case = draw(seed)
     return [run_case(case, v) for v in variants]
@@ -172,7 +172,7 @@ def _seeds_run(
 def cmd_run_sglang(args: argparse.Namespace, variants: tuple[str, ...]) -> int:
     import msgspec
 
-    from kvcached.sglang.testing.sim import CHECKS
+    from kvsim.on_sglang import CHECKS
 
     tally = _Tally(variants)
     totals = {"flushes": 0, "stores": 0, "loads": 0}
@@ -209,7 +209,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
         return cmd_run_sglang(args, tuple(v.strip() for v in (args.variants or ",".join(SGLANG_VARIANTS)).split(",")))
 
-    from kvcached.vllm.testing.sim.result import CHECKS, Coverage
+    from kvsim.on_vllm.result import CHECKS, Coverage
 
     variants = tuple(v.strip() for v in (args.variants or ",".join(VARIANTS)).split(","))  # checked by main
     tally = _Tally(variants)
@@ -251,8 +251,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_repro(args: argparse.Namespace) -> int:
     import msgspec
 
-    from kvcached.vllm.testing.sim.draw import draw
-    from kvcached.vllm.testing.sim.execute import run_case
+    from kvsim.on_vllm.draw import draw
+    from kvsim.on_vllm.execute import run_case
 
     case = draw(args.seed)
     results = [run_case(case, v) for v in ([args.variant] if args.variant else VARIANTS)]
@@ -272,9 +272,9 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
 
 def cmd_shrink(args: argparse.Namespace) -> int:
-    from kvcached.vllm.testing.sim.draw import draw
-    from kvcached.vllm.testing.sim.execute import run_case
-    from kvcached.vllm.testing.sim.shrink import shrink, write_case
+    from kvsim.on_vllm.draw import draw
+    from kvsim.on_vllm.execute import run_case
+    from kvsim.on_vllm.shrink import shrink, write_case
 
     case = draw(args.seed)
     order = [args.variant] if args.variant else ["ledger", "never-unmap", "vllm", "legacy"]

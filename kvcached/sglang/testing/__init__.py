@@ -1,14 +1,15 @@
 """Test and demo scaffolding for kvcached under SGLang; a server never imports it.
 
 ``stack`` (one SGLang KV stack with HiCache on kvcached), ``copies`` (HiCache's copy engine on a
-CPU), ``scenarios`` and ``sim`` (seeded runs of it), ``serve`` and ``server`` (SGLang serving
-here), ``cpu_platform`` (SGLang's CPU device operations as an out-of-tree platform), ``mixed``
-(an SGLang server beside ``vllm serve`` on one budget).
+CPU), ``scenarios`` (the freed-copy cases on it; kvsim, in ``tools/kvsim``, drives it too),
+``serve`` and ``server`` (SGLang serving here), ``cpu_platform`` (SGLang's CPU device
+operations as an out-of-tree platform), ``mixed`` (an SGLang server beside ``vllm serve`` on one
+budget).
 """
 
 from __future__ import annotations
 
-__all__ = ["copies", "cpu_platform", "gpu_only", "mixed", "scenarios", "serve", "server", "sim", "stack"]
+__all__ = ["copies", "cpu_platform", "gpu_only", "mixed", "scenarios", "serve", "server", "stack"]
 
 
 def gpu_only() -> str | None:

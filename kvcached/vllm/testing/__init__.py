@@ -3,8 +3,8 @@
 ``harness`` drives one real ``Scheduler`` with the real ``OffloadingConnector``, moving real
 bytes (``records``: what it is configured with and records; ``host_engine``: kvcached under it
 on host backends; ``kv_specs``: the model kinds it lays out); ``scenarios`` runs kvcached PR
-#598's freed-block-copy cases on it; ``sim`` is kvsim's engine (the ``kvsim`` command is in
-``tools/kvsim``). ``e2e`` starts real ``vllm serve`` processes of a tiny model; ``demo`` is the
+#598's freed-block-copy cases on it (kvsim, in ``tools/kvsim``, drives it too). ``e2e`` starts
+real ``vllm serve`` processes of a tiny model; ``demo`` is the
 main job, ``elastic`` two engines on one budget, ``nodes`` two nodes on one machine,
 ``late_rank`` an offloading spec whose second rank acknowledges late. Never imported by a
 served process.
@@ -21,5 +21,4 @@ __all__ = [
     "nodes",
     "records",
     "scenarios",
-    "sim",
 ]

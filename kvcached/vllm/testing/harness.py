@@ -27,8 +27,9 @@ import functools
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, cast
 
 import torch
@@ -331,6 +332,24 @@ class Harness:
         return list(self._requests[req_id].output_token_ids)
 
     # --- stepping ------------------------------------------------------------------------------
+
+    # What a simulator's checks read (kvsim, tools/kvsim/on_vllm): views, never the state itself.
+    @property
+    def executing_step(self) -> int:
+        """The step whose worker side runs now."""
+        return self._executing
+
+    def job_request(self, job_id: int) -> str | None:
+        """The request a transfer job was built for, or None for a job this harness never saw."""
+        return self._job_req.get(job_id)
+
+    def jobs(self) -> Mapping[int, str]:
+        """Every transfer job seen so far, with its request."""
+        return MappingProxyType(self._job_req)
+
+    def layer_views(self, rank: int, group: int) -> Sequence[torch.Tensor]:
+        """One rank's KV tensors of one KV cache group, a view per layer."""
+        return tuple(self._layer_views[rank][group])
 
     def busy(self) -> bool:
         return bool(self.scheduler.has_requests()) or bool(self._in_flight)

@@ -41,7 +41,7 @@ from typing import Any
 from kvcached.backends.host import HostBackend
 from kvcached.testing.stand_in import Row
 from kvcached.vllm.testing.harness import Harness
-from kvcached.vllm.testing.sim.result import Findings
+from kvsim.on_vllm.result import Findings
 
 
 class MemoryChecks:
@@ -75,7 +75,7 @@ class MemoryChecks:
         self.page_gen[(rank, index)] = self.page_gen.get((rank, index), 0) + 1
 
     def _forward(self, orig: Callable[..., None], rows: Sequence[Row], views: Any, rank: int) -> None:
-        step, bs = self.h._executing, self.bs
+        step, bs = self.h.executing_step, self.bs
         written = []
         for row in rows:
             for g, ids in enumerate(row.block_ids):
@@ -103,8 +103,8 @@ class MemoryChecks:
                         self._verify(rank, g, b, row.req_id, k, min(bs, row.end - k * bs), "attended-bytes", step)
 
     def _copy(self, rank: int, orig: Callable[..., None], plan: Any, dev: Any, host: Any) -> None:
-        step = self.h._executing
-        req = self.h._job_req.get(plan.job_id)
+        step = self.h.executing_step
+        req = self.h.job_request(plan.job_id)
         spec = plan.device_spec
         kind = "store" if plan.is_store else "load"
         blocks: list[tuple[int, int, int]] = []  # (group, block index in the request, block id)
@@ -168,7 +168,7 @@ class MemoryChecks:
             return True
         model = self.h.model
         start = k * self.bs
-        hs = model._hashes(req, start + n)
+        hs = model.prefix_hashes(req, start + n)
         if len(hs) < start + n:  # the model runner does not know these tokens: nothing to compare
             return True
         page = self._page_of(rank, block)
@@ -177,7 +177,7 @@ class MemoryChecks:
         if self.verified.get(key) == stamp:
             return True
         tb, state = self.tb[g], g in self.states
-        for layer, view in enumerate(self.h._layer_views[rank][g]):
+        for layer, view in enumerate(self.h.layer_views(rank, g)):
             if state:  # the state after the block's last computed token
                 last = start + n - 1
                 want = self._expected(req, last, hs[last], g, layer, rank)

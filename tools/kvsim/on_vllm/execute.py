@@ -32,7 +32,7 @@ from kvcached.ledger.events import Policy
 from kvcached.ledger.findings import plural
 from kvcached.vllm.engine_core.engine import Engine, EngineConfig, assemble
 from kvcached.vllm.testing.harness import Harness, HarnessConfig
-from kvcached.vllm.testing.sim.draw import (
+from kvsim.on_vllm.draw import (
     BLOCK_SIZE,
     KINDS,
     Abort,
@@ -44,8 +44,8 @@ from kvcached.vllm.testing.sim.draw import (
     groups,
     request_tokens,
 )
-from kvcached.vllm.testing.sim.memory import MemoryChecks
-from kvcached.vllm.testing.sim.result import Coverage, Findings, SeedResult
+from kvsim.on_vllm.memory import MemoryChecks
+from kvsim.on_vllm.result import Coverage, Findings, SeedResult
 
 
 class _KeepingBackend(HostBackend):
@@ -223,7 +223,7 @@ class _Run:
         for rec in h.history:
             for j, n in rec.completed_jobs.items():
                 done[j] = done.get(j, 0) + n
-        return any(r == rid and done.get(j, 0) < self.case.config.tp for j, r in h._job_req.items())
+        return any(r == rid and done.get(j, 0) < self.case.config.tp for j, r in h.jobs().items())
 
     def limit(self, permille: int) -> None:
         if self.kvc is None or self.kvc.engine is None:

@@ -16,17 +16,15 @@ trace test picks them up), and ``NAME.kvsim.json``, the case and the checks it f
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 
-from kvcached.vllm.testing.sim.draw import Abort, Action, Add, Case, Limit, Reset, SimConfig, Step
-from kvcached.vllm.testing.sim.execute import run_case
-from kvcached.vllm.testing.sim.result import SeedResult
+from kvsim.on_vllm.draw import Abort, Action, Add, Case, Limit, Reset, SimConfig, Step
+from kvsim.on_vllm.execute import run_case
+from kvsim.on_vllm.result import SeedResult
 
 
 class ShrinkReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,20 +150,16 @@ def _candidates(case: Case) -> Iterator[Case]:
 
 def write_case(report: ShrinkReport, out: Path) -> list[Path]:
     """Write the journal, its expected ``kvreplay check --json`` report and the case; returns the paths."""
-    from kvreplay.cli import main as kvreplay
+    from kvreplay.check import dumps, run_check
+    from kvreplay.check import report as check_report
 
     out.mkdir(parents=True, exist_ok=True)
     name = f"kvsim-{report.case.seed}"
     journal_variant = report.variant if report.variant != "vllm" else "ledger"
     kvj = out / f"{name}.{journal_variant}.kvj"
     run_case(report.case, journal_variant, journal=str(kvj))
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = kvreplay(["check", str(kvj), "--json"])
-    if code not in (0, 1):
-        raise RuntimeError(f"kvreplay check failed on {kvj} (exit {code})")
     check = out / f"{name}.{journal_variant}.check.json"
-    check.write_text(buf.getvalue())
+    check.write_text(dumps(check_report(run_check(str(kvj), progress=False))))
     doc = {
         "seed": report.case.seed,
         "variant": report.variant,

@@ -25,8 +25,8 @@ before processing them). Checks: ``attended-bytes`` (what a forward reads is its
 holds them), ``unmapped-touch`` (a backup a flush orphaned does not copy from an unmapped page),
 ``ledger`` (I1-I5 over the run's events), ``leftover`` (no copy left pinned at the
 end), ``crash``. Variants: ``ledger`` (shipped), ``legacy`` (unmap when empty), and two planted
-bugs that the checks must catch: ``no-hold`` (overlap frees recorded at once) and ``no-poll``
-(copies whose acknowledgement a reset dropped are forgotten).
+bugs from ``kvcached.testing.plants`` that the checks must catch: ``no-hold`` (overlap frees
+recorded at once) and ``no-poll`` (copies whose acknowledgement a reset dropped are forgotten).
 """
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ from typing import Any, Final
 import msgspec
 import torch
 
-from ...ledger.events import Policy
-from .scenarios import config
-from .stack import HiCacheStack, same
+from kvcached.ledger.events import Policy
+from kvcached.sglang.testing.scenarios import config
+from kvcached.sglang.testing.stack import HiCacheStack, same
+from kvcached.testing.plants import planted
 
 CHECKS: Final = ("attended-bytes", "store-bytes", "load-bytes", "unmapped-touch", "ledger", "leftover", "crash")
-VARIANTS: Final = ("ledger", "legacy", "no-hold", "no-poll")
+PLANTED: Final = ("no-hold", "no-poll")  # variants that are planted bugs
+VARIANTS: Final = ("ledger", "legacy", *PLANTED)
 SIZE = 1023  # slots; 16 pages of 64
 STALL = 8  # steps a copy may wait for the copy engine at most
 
@@ -109,9 +111,7 @@ class _Run:
         self.case = case
         policy = Policy.LEGACY if variant == "legacy" else Policy.LEDGER
         self.stack = HiCacheStack(config(policy), size=SIZE)
-        bridge = self.stack.engine.bridge
-        self.hold = case.overlap and variant != "no-hold"
-        bridge.poll_orphans = variant != "no-poll"
+        self.hold = case.overlap
         # (request, its slots, the bytes its first forward wrote; None until that forward)
         self.running: list[tuple[int, torch.Tensor, dict[str, torch.Tensor] | None]] = []
         self.freed_last_step: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
@@ -267,6 +267,11 @@ class _Run:
 
 
 def run_case(case: Case, variant: str) -> Result:
+    with planted(*((variant,) if variant in PLANTED else ())):
+        return _run_case(case, variant)
+
+
+def _run_case(case: Case, variant: str) -> Result:
     run: Any = None
     try:
         run = _Run(case, variant)
