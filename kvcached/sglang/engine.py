@@ -24,19 +24,16 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from ..backends import cuda_visible, make_backend
 from ..backends.base import Backend
 from ..budget import Budget
-from ..engine.reserve import reserve_pages
+from ..engine.config import CoreConfig
 from ..errors import ConfigError
-from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout, Placement
-from ..ledger.events import Header, Policy
+from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout
+from ..ledger.events import Header
 from ..ledger.ledger import Ledger
 from ..ledger.recorder import Recorder
 from ..page_size import choose_page
-from ..service.config import ServiceConfig
 from ..service.ledger_service import BackgroundService
 from ..version import KVCACHED_VERSION
 from .bridge import Bridge
@@ -51,42 +48,20 @@ log = logging.getLogger("sglang.kvcached")
 ENGINE_ATTR = "_kvcached_engine"
 
 
-class SglangConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What differs between the SGLang engines kvcached builds (tests choose; a server reads settings)."""
+class SglangConfig(CoreConfig, frozen=True, kw_only=True):
+    """The core's configuration and what only SGLang's pools are built with (tests choose; a
+    server's comes from the settings, ``plugin.config_from``)."""
 
-    policy: Policy = Policy.LEDGER
     page_bytes: int = 2 << 20
     # KVCACHED_PAGE_SIZE_MB was set: the page is taken as it is (or refused); else kvcached may
     # choose a page of whole blocks near it (``page_size.choose_page``: MLA's 576-wide latent).
     page_bytes_set: bool = True
     backend: str = "auto"  # kvcached.backends.make_backend: "cuda", "host" or "auto"
-    # KVCACHED_MIN_RESERVED_PAGES, KVCACHED_MAX_RESERVED_PAGES, KVCACHED_MAX_RESERVED_BYTES: the
-    # empty pages kept mapped (kvcached.engine.reserve), as under vLLM.
-    min_reserved_pages: int = 0
-    max_reserved_pages: int = 0
-    max_reserved_bytes: int = 0
-    placement: Placement = Placement.WHOLE_PAGES
-    journal_path: str | None = None
-    # A server's: the journal written, and the live socket served (kvctl list, tail, pins, why,
-    # dump), by the ledger service's thread; not both with ``journal_path``.
-    journal_service: ServiceConfig | None = None
-    clock: bool = False  # build boundaries carry the time (a server's do; tests' traces stay exact)
-    # KVCACHED_BUDGET, KVCACHED_BUDGET_BYTES: map only within the named budget this machine's
-    # engines share (``kvcached.budget``), vLLM's and SGLang's alike; bytes 0: its size as it is.
-    budget: str | None = None
-    budget_bytes: int = 0
-    budget_dir: str | None = None  # where budgets live (None: kvcached.budget.budget_dir(); tests)
     # KVCACHED_MIN_KV_CACHE_MB: the least this engine yields down to on a shared budget, and what
-    # it waits for when it starts on a full one (at least its padding page), for at most
-    # join_wait_s seconds (KVCACHED_JOIN_WAIT_S; Budget.join).
+    # it waits for when it starts on a full one (at least its padding page; Budget.join).
     min_kv_cache_bytes: int = 0
-    join_wait_s: float = 0.0
     # KVCACHED_STRICT_VERSIONS: refuse an SGLang release kvcached was not tested on (else: warn).
     strict_versions: bool = False
-
-    def __post_init__(self) -> None:
-        if self.journal_path is not None and self.journal_service is not None:
-            raise ConfigError("kvcached under SGLang: a journal is written inline (journal_path) or by the service")
 
 
 def sglang_version() -> str:
@@ -172,9 +147,7 @@ class SglangEngine:
         page_cost = g.page_bytes * g.regions
         # The pages it yields down to: KVCACHED_MIN_KV_CACHE_MB's, and the padding page at least.
         self.floor_pages = max(1, -(-config.min_kv_cache_bytes // page_cost))
-        reserve = reserve_pages(
-            config.min_reserved_pages, config.max_reserved_pages, config.max_reserved_bytes, page_cost
-        )
+        reserve = config.reserve_pages(page_cost)
         self.service: BackgroundService | None = None
         # NOTE: opened in this order and closed in the reverse one (the journal and its service
         # first, then the pages, then the share of the budget), whether the engine is closed or

@@ -14,8 +14,8 @@ same way where SGLang calls them, ``refusing``).
 
 from __future__ import annotations
 
+from ..engine.config import core_fields
 from ..errors import ConfigError
-from ..kv_cache_manager import Placement
 from ..service.config import service_config
 from ..service.live import default_socket_path
 from ..settings import Settings
@@ -30,20 +30,11 @@ def config_from(settings: Settings) -> SglangConfig:
     ledger service runs as in a served vLLM engine: the journal (``KVCACHED_LEDGER_JOURNAL``) and
     the live socket for ``kvctl``, one per scheduler process (its pid names the socket)."""
     return SglangConfig(
-        policy=settings.policy,
+        **core_fields(settings, service_config(settings, default_socket_path())),
         page_bytes=settings.page_bytes,
         page_bytes_set=settings.page_bytes_set,
         backend=settings.backend,
-        min_reserved_pages=settings.min_reserved_pages,
-        max_reserved_pages=settings.max_reserved_pages,
-        max_reserved_bytes=settings.max_reserved_bytes,
-        placement=Placement(settings.placement),
-        journal_service=service_config(settings, default_socket_path()),
-        clock=True,
-        budget=settings.budget,
-        budget_bytes=settings.budget_bytes,
         min_kv_cache_bytes=settings.min_kv_cache_bytes,
-        join_wait_s=settings.join_wait_s,
         strict_versions=settings.strict_versions,
     )
 

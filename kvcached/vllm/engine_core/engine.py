@@ -31,19 +31,17 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from ...backends.base import Backend
 from ...budget import Budget
-from ...engine.reserve import reserve_pages
+from ...engine.config import CoreConfig
 from ...errors import ConfigError, KvcachedError
-from ...kv_cache_manager import KVCacheManager, KVGeometry, Placement
+from ...kv_cache_manager import KVCacheManager, KVGeometry
 from ...ledger.events import Header, Policy
 from ...ledger.journal import JournalWriter
 from ...ledger.ledger import Ledger
 from ...ledger.recorder import Recorder
 from ...page_allocator import AllocatorState
-from ...service.ledger_service import BackgroundService, ServiceConfig
+from ...service.ledger_service import BackgroundService
 from ...service.messages import EngineControl
 from ...settings import format_size
 from ...version import KVCACHED_VERSION
@@ -62,56 +60,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvcached")
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What differs between the engines kvcached builds (the plugin's comes from ``Settings``)."""
+class EngineConfig(CoreConfig, frozen=True, kw_only=True):
+    """The core's configuration and what only vLLM has (the plugin's comes from ``Settings``)."""
 
-    policy: Policy = Policy.LEDGER
-    min_reserved_pages: int = 0
-    max_reserved_pages: int = 0
-    # KVCACHED_MAX_RESERVED_BYTES: the reserve also within these bytes (a page in every layer,
-    # region and replica each); 0: the page counts alone bound it.
-    max_reserved_bytes: int = 0
-    # KVCACHED_BUDGET, KVCACHED_BUDGET_BYTES: map only within the named budget shared by the
-    # engines of this machine (kvcached.budget); bytes 0: the size it already has.
-    budget: str | None = None
-    budget_bytes: int = 0
-    budget_dir: str | None = None  # where budgets live (None: kvcached.budget.budget_dir(); tests)
     max_cached_blocks: int | None = None  # KVCACHED_MAX_CACHED_TOKENS in blocks; None: no cap
-    placement: Placement = Placement.WHOLE_PAGES  # KVCACHED_PLACEMENT
     # False: vLLM's own block pool and no manager, the bridge's events only (a benchmark's baseline).
     page_aware: bool = True
-    # At most one journal. Inline: framed every 256 events on the scheduler's thread, so that
-    # the same run gives the same bytes (the golden traces). Service: written by the ledger
-    # service's thread, off the scheduler's path (a server).
-    journal_path: str | None = None
-    journal_service: ServiceConfig | None = None
-    # Build boundaries carry the time (kvreplay show --at): a served engine's do. Off elsewhere,
-    # because a scenario or a kvsim seed must give the same journal bytes on every run.
-    clock: bool = False
-    # Under a budget: the pages this engine waits for before it starts (its floor, kvctl limit's),
-    # claimed from the others for at most join_wait_s seconds (Budget.join); 0: none.
+    # Under a budget: the pages this engine waits for before it starts (its floor, kvctl limit's:
+    # one request of max_model_len, from vLLM's KV cache groups), claimed from the others.
     join_floor_pages: int = 0
-    join_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.journal_path is not None and self.journal_service is not None:
-            raise ConfigError("engine: a journal is written inline (journal_path) or by the service, not both")
-        if self.min_reserved_pages < 0 or self.max_reserved_pages < 0:
-            raise ConfigError(
-                f"engine: reserved pages must be >= 0, got {self.min_reserved_pages}..{self.max_reserved_pages}"
-            )
+        super().__post_init__()
         if self.max_cached_blocks is not None and self.max_cached_blocks < 0:
             raise ConfigError(f"engine: max_cached_blocks must be >= 0, got {self.max_cached_blocks}")
-        if self.max_reserved_bytes < 0 or self.budget_bytes < 0:
-            raise ConfigError(
-                f"engine: byte bounds must be >= 0, got reserve {self.max_reserved_bytes}, budget {self.budget_bytes}"
-            )
         if self.budget is not None and not self.page_aware:
             raise ConfigError("engine: a budget needs the page-aware pool (page_aware=True)")
-
-    def reserve_pages(self, page_cost: int) -> tuple[int, int]:
-        """The reserve's bounds in pages, the byte bound applied (a page costs ``page_cost``)."""
-        return reserve_pages(self.min_reserved_pages, self.max_reserved_pages, self.max_reserved_bytes, page_cost)
 
 
 class Engine:

@@ -19,8 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ...engine.config import core_fields
 from ...errors import KvcachedError
-from ...kv_cache_manager import Placement
 from ...ledger.compiled import compiled_status
 from ...page_size import mib
 from ...service.config import service_config
@@ -54,18 +54,9 @@ def build(scheduler: Any, settings: Settings) -> Engine:
     page_cost = page_cost_of(geometry, backends)
     floor = control.request_floor(scheduler, geometry.blocks_per_page, page_cost, settings.min_kv_cache_bytes)
     config = EngineConfig(
-        policy=settings.policy,
-        min_reserved_pages=settings.min_reserved_pages,
-        max_reserved_pages=settings.max_reserved_pages,
+        **core_fields(settings, service_config(settings, socket, journal)),
         max_cached_blocks=settings.max_cached_blocks(int(scheduler.cache_config.block_size)),
-        journal_service=service_config(settings, socket, journal),
-        max_reserved_bytes=settings.max_reserved_bytes,
-        budget=settings.budget,
-        budget_bytes=settings.budget_bytes,
-        placement=Placement(settings.placement),
-        clock=True,
         join_floor_pages=floor[0],
-        join_wait_s=settings.join_wait_s,
     )
     engine = assemble(scheduler, geometry, backends, config, page_log=page_log)
     slow = compiled_status()
