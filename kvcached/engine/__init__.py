@@ -1,7 +1,8 @@
 """What kvcached under an engine means whichever engine it is: the parts both wings share.
 
 ``config``: the core's configuration, one struct each wing's config extends, and the one reading
-of the settings both plugins use; ``releases``: the engine releases kvcached was tested on, the
+of the settings both plugins use; ``control``: the memory report kvctl gets and the floor a
+limit may not go below unforced; ``releases``: the engine releases kvcached was tested on, the
 range of releases a patch target holds for, and the one check a starting engine makes of its
 release; ``reserve``: the bounds of the empty pages an engine keeps mapped. Each wing
 (``kvcached.vllm``, ``kvcached.sglang``) keeps its own patch table and imports this package; this

@@ -21,9 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from ..service.messages import BudgetStatus, EngineInfo, MemoryStatus
+from ..engine.control import memory_status, refuse_below_floor, with_budget
+from ..service.messages import EngineInfo, MemoryStatus
 from ..version import KVCACHED_VERSION
 
 if TYPE_CHECKING:
@@ -46,11 +45,13 @@ class SglangControl:
         page_size: int = 1,
         *,
         floor_pages: int = 1,
+        floor_why: str = "",
     ) -> None:
         self.manager = manager
         self.budget = budget
         self.page_cost = page_cost  # a page in every region: 2 * layers of them
-        self.floor_pages = floor_pages  # what it yields down to on a shared budget
+        self.floor_pages = floor_pages  # the least limit set unforced, and what it yields down to
+        self.floor_why = floor_why
         self._info = info
         self._lock = threading.Lock()
         self._pending: tuple[int, threading.Event] | None = None
@@ -66,29 +67,13 @@ class SglangControl:
         return self._info
 
     def memory(self) -> MemoryStatus:
-        manager = self.manager
-        st = manager.state()
-        status = MemoryStatus(
-            page_bytes=self.page_cost,
-            num_pages=manager.allocator.num_pages,
-            mapped_pages=st.mapped,
-            in_use_pages=st.in_use,
-            reserved_pages=st.reserved,
-            limit_pages=st.limit,
-            shrink_pending=st.shrink_pending,
-            waiting_on=dict(st.waiting_on),
-            reason=st.reason,
-            held_pages=st.held,
-        )
-        budget = self.budget
-        if budget is None:
-            return status
-        u = budget.usage()
-        return msgspec.structs.replace(status, budget=BudgetStatus(name=u.name, size=u.size, used=u.used))
+        status = memory_status(self.manager, self.page_cost, floor_pages=self.floor_pages, floor_why=self.floor_why)
+        return with_budget(status, self.budget)
 
     def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus:
         """Map at most ``size`` bytes (whole pages, rounded down; None: no limit), from the
-        scheduler's next step on. ``force`` is accepted for kvctl's sake: no floor is kept here."""
+        scheduler's next step on; below the floor only with ``force`` (``refuse_below_floor``)."""
+        refuse_below_floor(size, force, self.page_cost, self.floor_pages, self.floor_why)
         pages = self.manager.allocator.num_pages if size is None else max(0, size) // self.page_cost
         done = threading.Event()
         with self._lock:

@@ -147,6 +147,11 @@ class SglangEngine:
         page_cost = g.page_bytes * g.regions
         # The pages it yields down to: KVCACHED_MIN_KV_CACHE_MB's, and the padding page at least.
         self.floor_pages = max(1, -(-config.min_kv_cache_bytes // page_cost))
+        floor_why = (
+            f"KVCACHED_MIN_KV_CACHE_MB is {config.min_kv_cache_bytes / (1 << 20):g}"
+            if self.floor_pages > 1
+            else "SGLang's padding slot 0 keeps its page"
+        )
         reserve = config.reserve_pages(page_cost)
         self.service: BackgroundService | None = None
         # NOTE: opened in this order and closed in the reverse one (the journal and its service
@@ -195,7 +200,13 @@ class SglangEngine:
                 page_size=g.page_bytes,
             )
             control = SglangControl(
-                self.manager, self.budget, info, page_cost, self.page_size, floor_pages=self.floor_pages
+                self.manager,
+                self.budget,
+                info,
+                page_cost,
+                self.page_size,
+                floor_pages=self.floor_pages,
+                floor_why=floor_why,
             )
             self.control = control
             self.service.service.control = control

@@ -9,10 +9,14 @@ function as vLLM's (``kvcached.engine.reserve``).
 
 from __future__ import annotations
 
+import threading
+import time
+
 import msgspec
 import pytest
 
-from kvcached.errors import KvcachedError
+from kvcached.errors import KvcachedError, LimitRefusedError
+from kvcached.service.config import service_config
 from kvcached.settings import Settings
 from kvcached.sglang.engine import SglangConfig
 from kvcached.sglang.plugin import config_from
@@ -68,3 +72,28 @@ def test_the_floor_is_what_a_starting_engine_needs_of_the_budget(tmp_path, stack
     second = HiCacheStack(_config({}, **budget))  # without the setting, its one page fits
     stacks.append(second)
     assert second.engine.floor_pages == 1
+
+
+def test_a_limit_below_the_floor_is_refused_unless_forced(tmp_path, stacks) -> None:
+    """``kvctl limit`` under SGLang keeps the floor as under vLLM (``kvcached.engine.control``):
+    below ``KVCACHED_MIN_KV_CACHE_MB`` only with ``--force``."""
+    env = {"ENABLE_KVCACHED": "1", "KVCACHED_MIN_KV_CACHE_MB": "1"}  # 64 pages of 16 KiB
+    live = service_config(Settings.from_env(env), str(tmp_path / "live.sock"))
+    stack = HiCacheStack(msgspec.structs.replace(_config(env), journal_service=live))
+    stacks.append(stack)
+    control = stack.engine.control
+    assert control is not None and control.memory().floor_pages == 64
+    with pytest.raises(
+        LimitRefusedError, match=r"below this engine's floor of 1 MiB \(KVCACHED_MIN_KV_CACHE_MB is 1\)"
+    ):
+        control.set_limit(63 * PAGE_COST)
+    assert control.memory().limit_pages != 63
+    forced = threading.Thread(target=control.set_limit, args=(2 * PAGE_COST,), kwargs={"force": True})
+    forced.start()
+    for _ in range(6000):  # the scheduler's next step after the request applies it
+        stack.step()
+        if control.memory().limit_pages == 2:
+            break
+        time.sleep(0.01)
+    forced.join()
+    assert control.memory().limit_pages == 2

@@ -16,11 +16,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from ...errors import LimitRefusedError
-from ...service.messages import BudgetStatus, EngineInfo, MemoryStatus
-from ...settings import format_size
+from ...engine.control import memory_status, refuse_below_floor, with_budget
+from ...service.messages import EngineInfo, MemoryStatus
 from .ranks import data_parallel_size, engine_index
 
 if TYPE_CHECKING:
@@ -44,30 +41,14 @@ class LiveControl:
     def memory(self) -> MemoryStatus:
         with self.lock:
             status = self._status()
-        # Read outside the lock: the budget is a file shared with other engines, and a step of
-        # this one must not wait on another's lock holder.
-        return self._with_budget(status)
-
-    def _with_budget(self, status: MemoryStatus) -> MemoryStatus:
-        budget = self.engine.budget
-        if budget is None:
-            return status
-        u = budget.usage()
-        return msgspec.structs.replace(status, budget=BudgetStatus(name=u.name, size=u.size, used=u.used))
+        return with_budget(status, self.engine.budget)  # outside the lock (with_budget's NOTE)
 
     def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus:
         """Sets the memory limit to ``size`` bytes, rounded down to whole pages (None: no limit),
         and shrinks as far as pins allow now; the rest follows as they are released. A limit
         below the floor (``request_floor``) would leave an engine that admits no request of its
         max_model_len, waiting for memory that never comes: it is refused unless ``force``."""
-        if size is not None and not force and size // self.page_cost < self.floor_pages:
-            floor_bytes = self.floor_pages * self.page_cost
-            asked, floor, why = format_size(size), format_size(floor_bytes), self.floor_why
-            if asked == floor:  # "32 KiB is below ... floor of 32 KiB" reads as a bug: say the bytes
-                asked, why = f"{size:,} B", f"{floor_bytes:,} B; {why}"
-            raise LimitRefusedError(
-                f"{asked} is below this engine's floor of {floor} ({why}); pass --force to set it anyway"
-            )
+        refuse_below_floor(size, force, self.page_cost, self.floor_pages, self.floor_why)
         with self.lock:  # Engine.set_limit_bytes refuses a negative size and an engine without the pool
             self.engine.set_limit_bytes(size)
             if not self.engine.offloading:
@@ -109,21 +90,7 @@ class LiveControl:
                 waiting_on={},
                 reason="vLLM's own block pool",
             )
-        st = manager.state()
-        return MemoryStatus(
-            page_bytes=self.page_cost,
-            num_pages=manager.allocator.num_pages,
-            mapped_pages=st.mapped,
-            in_use_pages=st.in_use,
-            reserved_pages=st.reserved,
-            limit_pages=st.limit,
-            shrink_pending=st.shrink_pending,
-            waiting_on=dict(st.waiting_on),
-            reason=st.reason,
-            held_pages=st.held,
-            floor_pages=self.floor_pages,
-            floor_why=self.floor_why,
-        )
+        return memory_status(manager, self.page_cost, floor_pages=self.floor_pages, floor_why=self.floor_why)
 
 
 def request_floor(scheduler: Any, blocks_per_page: int, page_cost: int, min_bytes: int = 0) -> tuple[int, str]:

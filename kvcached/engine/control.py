@@ -1,0 +1,69 @@
+"""What kvctl gets from an engine, whichever engine it is: its memory report and the floor of a limit.
+
+Both wings answer ``kvctl status`` and ``kvctl limit`` through an ``EngineControl`` of the live
+socket (``kvcached.service.messages``). How a limit is applied differs: vLLM's control takes the
+engine's lock, which every scheduler call kvcached wraps holds, and applies it at once; SGLang's
+hands it to the scheduler's thread for its next step. What the answer says, and which limits are
+refused, is the same, and is here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ..errors import LimitRefusedError
+from ..service.messages import BudgetStatus, MemoryStatus
+from ..settings import format_size
+
+if TYPE_CHECKING:
+    from ..budget import Budget
+    from ..kv_cache_manager import KVCacheManager
+
+
+def memory_status(
+    manager: KVCacheManager, page_cost: int, *, floor_pages: int = 0, floor_why: str = ""
+) -> MemoryStatus:
+    """The manager's pages as ``kvctl status`` shows them (``page_cost``: one page in every
+    region and replica, what a page costs the budget)."""
+    st = manager.state()
+    return MemoryStatus(
+        page_bytes=page_cost,
+        num_pages=manager.allocator.num_pages,
+        mapped_pages=st.mapped,
+        in_use_pages=st.in_use,
+        reserved_pages=st.reserved,
+        limit_pages=st.limit,
+        shrink_pending=st.shrink_pending,
+        waiting_on=dict(st.waiting_on),
+        reason=st.reason,
+        held_pages=st.held,
+        floor_pages=floor_pages,
+        floor_why=floor_why,
+    )
+
+
+def with_budget(status: MemoryStatus, budget: Budget | None) -> MemoryStatus:
+    """The report with the shared budget's size and use, read from its file.
+
+    NOTE: call it outside the engine's lock: the budget is a file other engines lock too, and a
+    step of this engine must not wait on another engine's lock holder."""
+    if budget is None:
+        return status
+    u = budget.usage()
+    return msgspec.structs.replace(status, budget=BudgetStatus(name=u.name, size=u.size, used=u.used))
+
+
+def refuse_below_floor(size: int | None, force: bool, page_cost: int, floor_pages: int, floor_why: str) -> None:
+    """A limit below the floor (the least that admits one request of the engine's longest, or
+    ``KVCACHED_MIN_KV_CACHE_MB``) leaves an engine waiting for memory that never comes: refused
+    in one line unless ``force``."""
+    if size is None or force or size // page_cost >= floor_pages:
+        return
+    floor_bytes = floor_pages * page_cost
+    asked, floor, why = format_size(size), format_size(floor_bytes), floor_why
+    if asked == floor:  # "32 KiB is below ... floor of 32 KiB" reads as a bug: say the bytes
+        asked, why = f"{size:,} B", f"{floor_bytes:,} B; {why}" if why else f"{floor_bytes:,} B"
+    because = f" ({why})" if why else ""
+    raise LimitRefusedError(f"{asked} is below this engine's floor of {floor}{because}; pass --force to set it anyway")
