@@ -1,4 +1,4 @@
-"""What kvctl gets from an engine, whichever engine it is: its memory report and the floor of a limit.
+"""What kvctl gets from an engine, whichever engine it is: who it is, its memory, the floor of a limit.
 
 Both wings answer ``kvctl status`` and ``kvctl limit`` through an ``EngineControl`` of the live
 socket (``kvcached.service.messages``). How a limit is applied differs: vLLM's control takes the
@@ -9,13 +9,16 @@ refused, is the same, and is here.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from ..errors import LimitRefusedError
-from ..service.messages import BudgetStatus, MemoryStatus
+from ..service.messages import BudgetStatus, EngineInfo, MemoryStatus
 from ..settings import format_size
+from ..version import KVCACHED_VERSION
 
 if TYPE_CHECKING:
     from ..budget import Budget
@@ -67,3 +70,44 @@ def refuse_below_floor(size: int | None, force: bool, page_cost: int, floor_page
         asked, why = f"{size:,} B", f"{floor_bytes:,} B; {why}" if why else f"{floor_bytes:,} B"
     because = f" ({why})" if why else ""
     raise LimitRefusedError(f"{asked} is below this engine's floor of {floor}{because}; pass --force to set it anyway")
+
+
+def engine_info(
+    *,
+    engine: str,
+    model: str,
+    socket: str,
+    policy: str,
+    budget: str | None,
+    backend: str,
+    page_size: int,
+    compiled: bool,
+    port: int | None = None,
+    index: int = 0,
+    data_parallel: int = 1,
+) -> EngineInfo:
+    """Who an engine is, for ``kvctl list`` and the metrics' labels (``engine``: "vLLM 0.34.0",
+    "SGLang 0.5.23"): what its wing knows of it, and what its process knows alike under any
+    engine. ``KVCACHED_SERVE_PID`` / ``KVCACHED_SERVE_PORT`` name the API server that started
+    it, where one did (vLLM's plugin sets them in ``vllm serve``'s API server)."""
+    api = os.environ.get("KVCACHED_SERVE_PID")
+    if port is None:
+        served = os.environ.get("KVCACHED_SERVE_PORT")
+        port = int(served) if served and served.isdigit() else None
+    return EngineInfo(
+        model=model,
+        pid=os.getpid(),
+        api_pid=int(api) if api and api.isdigit() else None,
+        port=port,
+        socket=socket,
+        started_unix=time.time(),
+        policy=policy,
+        engine=engine,
+        kvcached=KVCACHED_VERSION,
+        budget=budget,
+        index=index,
+        data_parallel=data_parallel,
+        backend=backend,
+        page_size=page_size,
+        compiled=compiled,
+    )

@@ -15,15 +15,14 @@ with a full prefix cache reaches its limit too.
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..engine.control import engine_info as core_engine_info
 from ..engine.control import memory_status, refuse_below_floor, with_budget
+from ..ledger.compiled import compiled_status
 from ..service.messages import EngineInfo, MemoryStatus
-from ..version import KVCACHED_VERSION
 
 if TYPE_CHECKING:
     from ..budget import Budget
@@ -109,24 +108,23 @@ class SglangControl:
 def engine_info(
     *, socket: str, policy: str, sglang: str, budget: str | None, backend: str, page_size: int
 ) -> EngineInfo:
-    """Who this SGLang engine is, for ``kvctl list`` (the ``vllm`` field names the engine)."""
-    return EngineInfo(
-        model=_model_name(),
-        pid=os.getpid(),
-        api_pid=None,
-        port=None,
-        socket=socket,
-        started_unix=time.time(),
-        policy=policy,
+    """Who this SGLang engine is (``kvcached.engine.control.engine_info``), from its server's
+    arguments (``get_server_args``) where a server built it."""
+    return core_engine_info(
         engine=f"SGLang {sglang}",
-        kvcached=KVCACHED_VERSION,
+        model=_model_name(),
+        socket=socket,
+        policy=policy,
         budget=budget,
         backend=backend,
         page_size=page_size,
+        compiled=compiled_status() is None,
     )
 
 
 def _model_name() -> str:
+    # NOTE: the port is not taken from the server's arguments: SGLang's offline ``Engine`` has one
+    # too (``ServerArgs.port``, 30000 by default) while it serves no HTTP at all.
     try:
         from sglang.srt.runtime_context import get_server_args
 

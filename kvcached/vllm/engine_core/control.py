@@ -12,10 +12,9 @@ take one.
 
 from __future__ import annotations
 
-import os
-import time
 from typing import TYPE_CHECKING, Any
 
+from ...engine.control import engine_info as core_engine_info
 from ...engine.control import memory_status, refuse_below_floor, with_budget
 from ...service.messages import EngineInfo, MemoryStatus
 from .ranks import data_parallel_size, engine_index
@@ -124,33 +123,26 @@ def engine_info(
     *,
     socket: str,
     policy: str,
-    versions: dict[str, str],
+    vllm: str,
     budget: str | None,
     backend: str = "",
     page_size: int = 0,
     compiled: bool = False,
 ) -> EngineInfo:
-    """Who this engine core is, for ``kvctl list`` and the metrics' labels."""
+    """Who this engine core is (``kvcached.engine.control.engine_info``), from its scheduler."""
     model = "?"
     with_model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
     if with_model is not None:
         model = str(getattr(with_model, "served_model_name", None) or getattr(with_model, "model", "?"))
-    port = os.environ.get("KVCACHED_SERVE_PORT")
-    api = os.environ.get("KVCACHED_SERVE_PID")
-    return EngineInfo(
+    return core_engine_info(
+        engine=f"vLLM {vllm}",
         model=model,
-        pid=os.getpid(),
-        api_pid=int(api) if api and api.isdigit() else None,
-        port=int(port) if port and port.isdigit() else None,
         socket=socket,
-        started_unix=time.time(),
         policy=policy,
-        engine=f"vLLM {versions.get('vllm', '?')}",
-        kvcached=versions.get("kvcached", "?"),
         budget=budget,
-        index=engine_index(scheduler),
-        data_parallel=data_parallel_size(scheduler),
         backend=backend,
         page_size=page_size,
         compiled=compiled,
+        index=engine_index(scheduler),
+        data_parallel=data_parallel_size(scheduler),
     )

@@ -26,7 +26,6 @@ from ...page_size import mib
 from ...service.config import service_config
 from ...service.live import default_socket_path
 from ...settings import Settings
-from ...version import KVCACHED_VERSION
 from .. import patches
 from ..kv_layout import plan_page
 from . import control, ranks, step_sender
@@ -64,7 +63,7 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         scheduler,
         socket=socket,
         policy=settings.policy.value,
-        versions={"vllm": patches.vllm_version(), "kvcached": KVCACHED_VERSION},
+        vllm=patches.vllm_version(),
         budget=settings.budget,
         backend=backends[0].kind,
         page_size=geometry.page_bytes,
