@@ -1,26 +1,10 @@
 """kvctl: ask a running engine's ledger service which KV pages are pinned, why, and what it journals.
 
 An operator reaches for this while an engine misbehaves (memory not given back, a shrink that
-waits), so it has to answer fast and never add noise: it speaks the live view's protocol over
-the service's Unix socket with a plain blocking socket (no event loop to start), prints a rich
-table when a person is watching and plain aligned columns when the output goes to a pipe or a
-file (``render``), and fails as kvreplay and kvsim do (``kvcli``): one line on stderr, exit 1
-when the engine cannot be reached or refuses (no service, only dead sockets, permission denied,
-a limit below the floor), exit 2 for a malformed command line (``parse``), never a traceback.
-The engine is ``--socket PATH``, else ``-e ENGINE`` (a pid, a socket path or part of a model
-name, as ``kvctl list`` shows them), else ``$KVCACHED_LEDGER_SOCKET``, else the only engine of
-this user on this machine that answers (``engines``).
-
-    kvctl list [--all] [--prune] [--json]   this user's kvcached engines: model, pid, port, memory, socket
-    kvctl status [--json]                   pages, memory, limit and floor (and what a shrink waits on), journal
-    kvctl pins [--limit N] [--json]         page, pin kind, job or request, since build, waiting workers
-    kvctl why PAGE [--json]                 everything that keeps one page
-    kvctl tail [--count N] [--json]         events as the service journals them
-    kvctl limit [ENGINE] SIZE [--force]     the engine's KV memory limit (512M, 2G, none), honouring pins
-    kvctl limit-percent [ENGINE] PCT [--force]  the same, as a percentage of the KV capacity
-    kvctl dump [ENGINE] -o FILE             the flight recorder's events as a replayable trace
-    kvctl watch [-n SEC]                    kvctl list, redrawn every SEC seconds
-    kvctl budget NAME [SIZE]                a memory budget shared by engines: its use, or set its size
+waits), so it has to answer fast and never add noise. It speaks the live view's protocol over the
+service's Unix socket with a plain blocking socket (no event loop to start), and fails as kvreplay
+and kvsim do, in one line. The commands, with their synopsis at ``main``: ``list``, ``status``,
+``pins``, ``why``, ``tail``, ``limit``, ``limit-percent``, ``dump``, ``watch``, ``budget``.
 
 Upstream kvcached's ``limit`` and ``limit-percent`` keep their meaning and size syntax; its
 commands that have no meaning here (``kvtop``, ``shell``, ``delete``) say so in one line.
@@ -190,6 +174,25 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run one kvctl command line and return its exit status.
+
+        kvctl list [--all] [--prune] [--json]   this user's kvcached engines: model, pid, port, memory, socket
+        kvctl status [--json]                   pages, memory, limit and floor (and what a shrink waits on), journal
+        kvctl pins [--limit N] [--json]         page, pin kind, job or request, since build, waiting workers
+        kvctl why PAGE [--json]                 everything that keeps one page
+        kvctl tail [--count N] [--json]         events as the service journals them
+        kvctl limit [ENGINE] SIZE [--force]     the engine's KV memory limit (512M, 2G, none), honouring pins
+        kvctl limit-percent [ENGINE] PCT [--force]  the same, as a percentage of the KV capacity
+        kvctl dump [ENGINE] -o FILE             the flight recorder's events as a replayable trace
+        kvctl watch [-n SEC]                    kvctl list, redrawn every SEC seconds
+        kvctl budget NAME [SIZE]                a memory budget shared by engines: its use, or set its size
+
+    NOTE: it fails as kvreplay and kvsim do (``kvcli``): one line on stderr, never a traceback.
+    Exit 1 when the engine cannot be reached or refuses (no service, only dead sockets, permission
+    denied, a limit below the floor); exit 2 for a malformed command line (``parse``).
+
+    NOTE: a table prints with rich when a person is watching, and as plain aligned columns when
+    the output goes to a pipe or a file (``render``)."""
     ap = parse.parser()
     args = ap.parse_args(argv)
     stream = out if out is not None else sys.stdout
@@ -218,6 +221,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return engines.cmd_watch(args, stream)
         if args.command == "budget":
             return cmd_budget(args, stream)
+        # The engine is ``--socket PATH``, else ``-e ENGINE`` (a pid, a socket path or part of a model
+        # name, as ``kvctl list`` shows them), else ``$KVCACHED_LEDGER_SOCKET``, else the only engine
+        # of this user on this machine that answers (``engines``).
         path = args.socket or (engines.resolve(args.engine) if args.engine else None)
         return COMMANDS[args.command](engines.pick(path, args.timeout), args, stream)
 

@@ -1,32 +1,16 @@
 """kvsim's SGLang variant: seeded random traffic over SGLang's real pool, allocator and HiCache.
 
-A case is drawn from its seed alone: overlap scheduling on or off, and a list of steps, each a
-few actions of the kinds SGLang's scheduler and tree cache take (``HiCacheStack``'s parts are
-SGLang's own, only the copy kernels are the deferring stand-in):
+A case is drawn from its seed alone (``draw``): overlap scheduling on or off, and steps of the
+actions SGLang's scheduler and tree cache take, played over ``HiCacheStack`` (SGLang's own parts;
+only the copy kernels are the deferring stand-in). The checks:
 
-* ``arrive n``: a request gets ``n`` slots (``alloc``) and the next step's forward writes KV
-  bytes that identify it;
-* ``finish``: the oldest running request ends (once its forward has run); its KV is kept as a
-  tree node and backed up (``write``, write-through) when no backup is in flight, else freed;
-* ``evict``: a node whose backup is acknowledged leaves the device (``free_segment``);
-* ``load``: a node on the host only comes back (``load``, then ``start_loading``);
-* ``drop``: a node off the device leaves the host tier too;
-* ``copies k``: the copy engine finishes ``k`` of the queued copies (and any copy queued
-  ``STALL`` steps ago has finished by the next step);
-* ``flush``: when ``Scheduler.is_fully_idle`` would say so (no request running, no load in
-  flight, under overlap no forward in flight), ``/flush_cache`` (the controller's reset, the host
-  pool's ``clear``, the allocator's ``clear``).
+* ``attended-bytes``: what a forward reads is its request's;
+* ``store-bytes``: an acknowledged backup holds the node's bytes; ``load-bytes``: a loaded node holds them;
+* ``unmapped-touch``: a backup a flush orphaned does not copy from an unmapped page;
+* ``ledger`` (I1-I5 over the run's events), ``leftover`` (no copy left pinned at the end), ``crash``.
 
-Each step begins as SGLang's does: kvcached's step hook, then the tree's ack drain. The forward
-of a step reads the KV of every running request, and under overlap scheduling also that of the
-requests the previous step's results freed (``event_loop_overlap`` launched this forward
-before processing them). Checks: ``attended-bytes`` (what a forward reads is its request's),
-``store-bytes`` (an acknowledged backup holds the node's bytes), ``load-bytes`` (a loaded node
-holds them), ``unmapped-touch`` (a backup a flush orphaned does not copy from an unmapped page),
-``ledger`` (I1-I5 over the run's events), ``leftover`` (no copy left pinned at the
-end), ``crash``. Variants: ``ledger`` (shipped), ``legacy`` (unmap when empty), and two planted
-bugs from ``kvcached.testing.plants`` that the checks must catch: ``no-hold`` (overlap frees
-recorded at once) and ``no-poll`` (copies whose acknowledgement a reset dropped are forgotten).
+Variants: ``ledger`` (shipped), ``legacy`` (unmap when empty), and two planted bugs the checks
+must catch, ``no-hold`` and ``no-poll`` (``run_case``).
 """
 
 from __future__ import annotations
@@ -83,6 +67,23 @@ class Result(msgspec.Struct, frozen=True):
 
 
 def draw(seed: int) -> Case:
+    """The case of ``seed``: overlap on or off, and 8-40 steps of 1-4 actions each.
+
+    NOTE: the actions (played by ``_Run._act``):
+
+    * ``arrive n``: a request gets ``n`` slots (``alloc``) and the next step's forward writes KV
+      bytes that identify it;
+    * ``finish``: the oldest running request ends (once its forward has run); its KV is kept as a
+      tree node and backed up (``write``, write-through) when no backup is in flight, else freed;
+    * ``evict``: a node whose backup is acknowledged leaves the device (``free_segment``);
+    * ``load``: a node on the host only comes back (``load``, then ``start_loading``);
+    * ``drop``: a node off the device leaves the host tier too;
+    * ``copies k``: the copy engine finishes ``k`` of the queued copies (and any copy queued
+      ``STALL`` steps ago has finished by the next step);
+    * ``flush``: when ``Scheduler.is_fully_idle`` would say so (no request running, no load in
+      flight, under overlap no forward in flight), ``/flush_cache`` (the controller's reset, the
+      host pool's ``clear``, the allocator's ``clear``).
+    """
     rng = random.Random(seed)
     kinds = ("arrive", "arrive", "finish", "finish", "evict", "load", "drop", "copies", "copies", "flush")
     steps = []
@@ -129,6 +130,12 @@ class _Run:
     # --- one step -----------------------------------------------------------------------------
 
     def begin_step(self) -> None:
+        """One step's start and its forward.
+
+        NOTE: each step begins as SGLang's does: kvcached's step hook, then the tree's ack drain.
+        The forward of a step reads the KV of every running request. Under overlap scheduling it
+        also reads that of the requests the previous step's results freed (``event_loop_overlap``
+        launched this forward before processing them)."""
         s = self.stack
         # A copy engine makes progress: a copy queued STALL steps ago has run by now (the
         # ledger holds a pin to ending within 16 builds, I4, and a GPU copy takes microseconds).
@@ -267,6 +274,10 @@ class _Run:
 
 
 def run_case(case: Case, variant: str) -> Result:
+    """Play ``case`` under ``variant``; a crash is a finding, never an exception.
+
+    NOTE: the two planted bugs come from ``kvcached.testing.plants``: ``no-hold`` (overlap frees
+    recorded at once) and ``no-poll`` (copies whose acknowledgement a reset dropped are forgotten)."""
     with planted(*((variant,) if variant in PLANTED else ())):
         return _run_case(case, variant)
 

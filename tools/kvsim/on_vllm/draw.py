@@ -3,22 +3,8 @@
 A seed must repeat exactly, on any machine, in any process: so everything is drawn from one
 ``random.Random(seed)`` in a fixed order, nothing reads the wall clock, and no draw iterates a
 set or a dict whose order depends on the hash seed. The result is plain data (frozen msgspec
-Structs) rather than code, because the shrinker must take a failing case apart (drop a request,
-halve a prompt, remove a fault, turn async scheduling off) and a test case must be written to
-disk and read back; ``Workload`` actions refer to earlier requests by their ordinal among the
-``Add`` actions, so removing one is a renumbering, not a search.
-
-What a seed varies: the model kind (its KV cache groups: full attention, with or without a
-sliding window; Gemma3's five sliding groups and one full; gpt-oss's 128-token window beside
-full; Mistral's sliding window alone; DeepSeek-V2's MLA latent; Qwen3-Next's three Gated DeltaNet
-state groups beside full attention, 64-token blocks); sync or async scheduling, the worker side at schedule or
-late; tensor parallel 1 or 2 with a rank that reports late; a sliding window; blocks per CPU
-chunk; GPU blocks few enough that vLLM preempts; a batch-token budget small enough to chunk
-prefills; the CPU tier's size and eviction policy; kvcached's page size in blocks, reserve bounds
-and prefix-cache cap; shared prefixes, duplicate prompts, stop tokens against ``max_tokens``,
-follow-up turns (prompt + output); aborts (between steps, and under async scheduling while a
-step's output is still to be processed, with jobs in flight); prefix-cache resets (plain, with
-running requests, with the connector); memory-limit shrinks and raises.
+Structs, ``Case``) rather than code, because the shrinker must take a failing case apart and a
+test case must be written to disk and read back. What a seed varies is listed at ``draw``.
 """
 
 from __future__ import annotations
@@ -107,6 +93,12 @@ Action: TypeAlias = Add | Step | Abort | Reset | Limit
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True):
+    """A seed's configuration and workload, as plain data.
+
+    NOTE: the shrinker takes a failing case apart (drop a request, halve a prompt, remove a fault,
+    turn async scheduling off). The actions refer to earlier requests by their ordinal among the
+    ``Add`` actions, so removing one is a renumbering, not a search."""
+
     seed: int
     config: SimConfig
     actions: tuple[Action, ...]
@@ -186,6 +178,25 @@ def draw_config(rng: random.Random) -> SimConfig:
 
 
 def draw(seed: int) -> Case:
+    """The case of ``seed``.
+
+    NOTE: what a seed varies:
+
+    * the model kind, its KV cache groups: full attention, with or without a sliding window;
+      Gemma3's five sliding groups and one full; gpt-oss's 128-token window beside full;
+      Mistral's sliding window alone; DeepSeek-V2's MLA latent; Qwen3-Next's three Gated
+      DeltaNet state groups beside full attention, 64-token blocks;
+    * sync or async scheduling, the worker side at schedule or late;
+    * tensor parallel 1 or 2 with a rank that reports late; a sliding window;
+    * blocks per CPU chunk; GPU blocks few enough that vLLM preempts; a batch-token budget small
+      enough to chunk prefills; the CPU tier's size and eviction policy;
+    * kvcached's page size in blocks, reserve bounds and prefix-cache cap;
+    * shared prefixes, duplicate prompts, stop tokens against ``max_tokens``, follow-up turns
+      (prompt + output);
+    * aborts (between steps, and under async scheduling while a step's output is still to be
+      processed, with jobs in flight); prefix-cache resets (plain, with running requests, with
+      the connector); memory-limit shrinks and raises.
+    """
     rng = random.Random(seed)
     config = draw_config(rng)
     cap = max_request_tokens(config)

@@ -1,19 +1,14 @@
 """Run one kvsim case under one variant: vLLM's real scheduler and connector, kvcached below.
 
 The harness (``kvcached.vllm.testing.harness``) runs vLLM 0.33's ``Scheduler`` or ``AsyncScheduler``
-with the ``OffloadingConnector`` on both sides and a worker that copies real bytes; this module
-puts under it what the variant asks for and plays the case's actions:
+with the ``OffloadingConnector`` on both sides and a worker that copies real bytes. This module
+puts under it what the variant asks for (``_Kvcached``) and plays the case's actions:
 
-* ``ledger``: kvcached as shipped (page-aware pool, bridge, ledger policy) on host backends in
-  checking mode, so an access to an unmapped page is detected;
-* ``legacy``: the same with the legacy policy (a page goes as soon as it is empty): the known-bad
-  baseline every check must be able to trip on;
-* ``never-unmap``: the ledger policy over backends that keep every page's memory (an unmap is
-  recorded but gives nothing back): a failure here too is not about unmapping;
-* ``vllm``: vLLM alone with its own block pool over plain memory: a failure here too is vLLM's.
+* ``ledger``: kvcached as shipped, on host backends in checking mode;
+* ``legacy``: a page goes as soon as it is empty: the known-bad baseline every check must be able to trip on;
+* ``never-unmap``: no page's memory is given back: a failure here too is not about unmapping;
+* ``vllm``: vLLM alone: a failure here too is vLLM's.
 
-The ledger's I5 (a store copies only its request's blocks) reads the ``RequestBlocks`` events
-that kvcached's bridge records in each ``build_connector_meta``, as in a served engine's journal.
 The memory checks are in ``memory``; the ledger's own invariants are read from its violations.
 """
 
@@ -56,7 +51,14 @@ class _KeepingBackend(HostBackend):
 
 
 class _Kvcached:
-    """kvcached under one harness, as the case's configuration says."""
+    """kvcached under one harness, as the case's configuration says.
+
+    NOTE: what each variant puts under the harness. ``ledger``: kvcached as shipped (page-aware
+    pool, bridge, ledger policy) on host backends in checking mode, so an access to an unmapped
+    page is detected. ``legacy``: the same with the legacy policy (a page goes as soon as it is
+    empty). ``never-unmap``: the ledger policy over backends that keep every page's memory (an
+    unmap is recorded but gives nothing back). ``vllm`` builds none: vLLM alone, with its own
+    block pool over plain memory."""
 
     def __init__(self, case: Case, variant: str, journal: str | None) -> None:
         self.case, self.variant, self.journal = case, variant, journal
@@ -242,6 +244,8 @@ class _Run:
         h, f = self.h, self.f
         if self.kvc is not None and self.kvc.engine is not None:
             led = self.kvc.engine.ledger
+            # I5 (a store copies only its request's blocks) reads the ``RequestBlocks`` events that
+            # kvcached's bridge records in each ``build_connector_meta``, as in a served engine's journal.
             for v in led.violations:
                 f.fail("ledger", h.step_index, v.one_line(), request=v.request)
             if "hang" not in f.first and "crash" not in f.first:

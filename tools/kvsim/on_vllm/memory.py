@@ -2,34 +2,11 @@
 
 The ledger checks its own events; these checks look at what the KV memory holds, so they also
 catch what the events do not say (a vLLM bug that stores the wrong block, a pool that hands out
-a block on an unmapped page). They hook three places of the real-vLLM harness, all on the
-worker side, where a real GPU would touch memory:
-
-* the model stand-in's forward: every block a step writes, and then every block each scheduled
-  request attends to (every non-null block of its table up to the step's end: its own earlier
-  tokens, prefix-cache hits and loaded blocks alike), must be on a mapped page and hold, token
-  by token, the bytes the stand-in writes for that request's prefix;
-* each worker's copy function, before a store copies: the blocks it names must be on mapped
-  pages and hold the job's request's KV for the block positions it names (a store of another
-  request's block puts foreign KV under this request's key);
-* after a load copies: the blocks it wrote hold the request's KV.
-
-Per KV group, by its kind: an attention group's block holds token slots (a sliding-window group
-is attended within its table's non-null blocks, MLA's slot is one 1,152-byte latent); a state
-group's (vLLM's ``MambaSpec``, "align" mode) holds the state after its last computed token, so
-the forward reads one block, the state its step starts from (``cdiv(start, bs) - 1``), checked
-before the forward overwrites it, and a stored or loaded state block ``k`` must hold the state
-after token ``(k + 1) * bs - 1``; only the state's real bytes count (vLLM pads the page to the
-attention page and the offloading worker copies the unpadded bytes).
-
-Pages are asked through the host backend's checking mode (``HostBackend.unmapped_in``): an
-unmapped page is ``PROT_NONE`` there, so an access the checks did not announce kills the run
-with SIGSEGV rather than reading zeros. A detected access is recorded and the page exposed, so
-the run goes on as an unchecked backend would (reading zeros) and the byte checks see that too.
-
-A block verified once is not hashed again until it is written (forward or load) or its page is
-mapped or unmapped, which keeps a seed to about a second; the expected bytes of a token are
-memoized by its prefix hash, group, layer and rank.
+a block on an unmapped page). ``MemoryChecks`` hooks three places of the real-vLLM harness, all
+on the worker side, where a real GPU would touch memory: the model stand-in's forward
+(``_forward``), and each worker's copy function before a store and after a load (``_copy``). A
+block touched there must be on a mapped page (``_touch``) and hold, token by token, the bytes the
+stand-in writes for its request's prefix (``_verify``).
 """
 
 from __future__ import annotations
@@ -45,6 +22,8 @@ from kvsim.on_vllm.result import Findings
 
 
 class MemoryChecks:
+    """The memory checks of one harness; with ``backends`` None, pages are not checked, only bytes."""
+
     def __init__(self, h: Harness, backends: Sequence[HostBackend] | None, findings: Findings) -> None:
         self.h = h
         self.backends = list(backends) if backends is not None else None
@@ -75,6 +54,15 @@ class MemoryChecks:
         self.page_gen[(rank, index)] = self.page_gen.get((rank, index), 0) + 1
 
     def _forward(self, orig: Callable[..., None], rows: Sequence[Row], views: Any, rank: int) -> None:
+        """The model stand-in's forward, checked.
+
+        NOTE: every block a step writes, and then every block each scheduled request attends to,
+        must be on a mapped page and hold, token by token, the bytes the stand-in writes for that
+        request's prefix. A request attends to every non-null block of its table up to the step's
+        end: its own earlier tokens, prefix-cache hits and loaded blocks alike. A sliding-window
+        group is attended within its table's non-null blocks. A state group's block holds the state
+        after its last computed token (``_verify``), so the forward reads one block, the state its
+        step starts from (``cdiv(start, bs) - 1``), checked before the forward overwrites it."""
         step, bs = self.h.executing_step, self.bs
         written = []
         for row in rows:
@@ -103,6 +91,12 @@ class MemoryChecks:
                         self._verify(rank, g, b, row.req_id, k, min(bs, row.end - k * bs), "attended-bytes", step)
 
     def _copy(self, rank: int, orig: Callable[..., None], plan: Any, dev: Any, host: Any) -> None:
+        """A worker's copy function, checked.
+
+        NOTE: before a store copies, the blocks it names must be on mapped pages and hold the
+        job's request's KV for the block positions it names (a store of another request's block
+        puts foreign KV under this request's key). After a load copies, the blocks it wrote hold
+        the request's KV."""
         step = self.h.executing_step
         req = self.h.job_request(plan.job_id)
         spec = plan.device_spec
@@ -136,7 +130,13 @@ class MemoryChecks:
     # --- the checks ---------------------------------------------------------------------------
 
     def _touch(self, rank: int, block: int, step: int, req: str | None, what: str) -> bool:
-        """Whether the block is on mapped pages; if not, record it and expose the pages."""
+        """Whether the block is on mapped pages; if not, record it and expose the pages.
+
+        NOTE: pages are asked through the host backend's checking mode (``HostBackend.unmapped_in``):
+        an unmapped page is ``PROT_NONE`` there, so an access the checks did not announce kills the
+        run with SIGSEGV rather than reading zeros. A detected access is recorded and the page
+        exposed, so the run goes on as an unchecked backend would (reading zeros), and the byte
+        checks see that too."""
         if self.backends is None:
             return True
         backend = self.backends[rank]
@@ -163,7 +163,16 @@ class MemoryChecks:
     def _verify(
         self, rank: int, g: int, block: int, req: str, k: int, n: int, check: str, step: int, job: int | None = None
     ) -> bool:
-        """Tokens ``k*bs .. k*bs+n-1`` of ``req`` in ``block`` hold the stand-in's bytes."""
+        """Tokens ``k*bs .. k*bs+n-1`` of ``req`` in ``block`` hold the stand-in's bytes.
+
+        NOTE: per KV group, by its kind. An attention group's block holds token slots (MLA's slot
+        is one 1,152-byte latent). A state group's block (vLLM's ``MambaSpec``, "align" mode) holds
+        the state after its last computed token, so a stored or loaded state block ``k`` must hold
+        the state after token ``(k + 1) * bs - 1``. Only the state's real bytes count: vLLM pads
+        the page to the attention page, and the offloading worker copies the unpadded bytes.
+
+        NOTE: a block verified once is not hashed again until it is written (forward or load) or
+        its page is mapped or unmapped, which keeps a seed to about a second."""
         if n <= 0:
             return True
         model = self.h.model
@@ -208,6 +217,7 @@ class MemoryChecks:
         return True
 
     def _expected(self, req: str, p: int, h: bytes, g: int, layer: int, rank: int) -> bytes:
+        """The bytes of token ``p``, memoized by its prefix hash, group, layer and rank."""
         key = (h, g, layer, rank)  # the bytes depend on the prefix, not on the request
         out = self.expected.get(key)
         if out is None:
