@@ -3,22 +3,9 @@
 
 Every message names what went wrong and where (file and byte offset, event index, setting),
 and, where there is one, what to change. Below the base, a few parents say what a caller can
-do about an error; the specific errors live with the code that raises them and subclass one:
-
-* ``ConfigError``: a setting, a setup or a vLLM that kvcached does not support: change it
-  (``kvcached.vllm.patches.PatchError``: a vLLM whose internals moved);
-* ``CapacityError``: no memory for the request now: free blocks, or raise the limit or budget
-  (``page_allocator.OutOfPagesError``, ``kv_cache_manager.OutOfBlocksError``);
-* ``ConsistencyError``: two views of the same blocks or pages disagree (kvcached's and vLLM's,
-  the scheduler's and a worker's): a bug, or an executor that does not carry vLLM's step whole;
-  the engine stops, and its flight recorder keeps the events that led there;
-* ``BackendError``: the memory backend refused or failed an operation;
-* ``TraceError``: a trace, journal or snapshot that cannot be read or used (``JournalError``
-  and its kinds, which say the file and byte offset);
-* ``ServiceError``: a file or socket the ledger service keeps cannot be used (the journal being
-  written, a budget file, the live view ``kvctl`` talks to).
-
-The tree is msgspec's in spirit (``msgspec/__init__.pyi``: one base, a few kinds).
+do about an error (``ConfigError``, ``CapacityError``, ``ConsistencyError``, ``BackendError``,
+``TraceError``, ``ServiceError``). The specific errors live with the code that raises them and
+subclass one. The tree is msgspec's in spirit (``msgspec/__init__.pyi``: one base, a few kinds).
 """
 
 from __future__ import annotations
@@ -29,7 +16,8 @@ class KvcachedError(Exception):
 
 
 class ConfigError(KvcachedError):
-    """A setting or a combination of settings kvcached does not support."""
+    """A setting (or a combination of settings), a setup or a vLLM that kvcached does not
+    support: change it (``kvcached.vllm.patches.PatchError``: a vLLM whose internals moved)."""
 
 
 class LimitRefusedError(KvcachedError):
@@ -37,19 +25,25 @@ class LimitRefusedError(KvcachedError):
 
 
 class CapacityError(KvcachedError):
-    """No memory for the request now: free blocks, or raise the memory limit or the budget."""
+    """No memory for the request now: free blocks, or raise the memory limit or the budget
+    (``page_allocator.OutOfPagesError``, ``kv_cache_manager.OutOfBlocksError``)."""
 
 
 class ConsistencyError(KvcachedError):
-    """Two views of the same blocks or pages disagree: a bug, or an unsupported executor."""
+    """Two views of the same blocks or pages disagree (kvcached's and vLLM's, the scheduler's and
+    a worker's): a bug, or an unsupported executor, one that does not carry vLLM's step whole.
+
+    NOTE: the engine stops, and its flight recorder keeps the events that led there."""
 
 
 class TraceError(KvcachedError):
-    """A trace, journal or snapshot that cannot be read or used."""
+    """A trace, journal or snapshot that cannot be read or used (``JournalError`` and its kinds,
+    which say the file and byte offset)."""
 
 
 class ServiceError(KvcachedError):
-    """A file or socket the ledger service keeps cannot be used (journal, budget, live view)."""
+    """A file or socket the ledger service keeps cannot be used: the journal being written, a
+    budget file, the live view ``kvctl`` talks to."""
 
 
 class JournalError(TraceError):

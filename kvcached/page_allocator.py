@@ -1,41 +1,11 @@
 """Pages of one KV pool: which are mapped, which are kept in reserve, and when one may go.
 
 A page is *free* (unmapped: its memory belongs to the GPU, for another model), *reserved*
-(mapped but holding no block: ready to hand out without paying for a map) or *in use* (the
-KV cache manager has blocks on it). Mapping is cheap to decide and expensive to do, unmapping
-is the reverse: it is only safe when the ledger says so. So the allocator never unmaps on its
-own judgement: it unmaps a reserved page only when the ledger has let it go and it has a reason
-to give memory back (more reserved pages than ``KVCACHED_MAX_RESERVED_PAGES``, or more mapped
-pages than the memory limit).
-
-It learns which pages the ledger lets go one way: by draining the ledger's queue of pages that
-became releasable (``Ledger.take_fresh_releasable``), as vLLM's scheduler drains its block
-pool's KV event queue (``BlockPool.take_events``) instead of being called back. It drains at
-the points where its view and the ledger's agree, so that a releasable page is a reserved one:
-at the end of each scheduler call, after the events recorded outside it (the engine's wrapper
-of the call calls ``drain_releasable``), when the manager's free has emptied pages, and when
-the limit changes. It is never called from inside
-``Recorder.emit``, so its own events (``PageUnmapped``) are never emitted from inside another.
-
-A memory limit lowered below what is mapped starts a *shrink*: no page is mapped, reserved
-pages go as soon as the ledger lets them, pages in use when their blocks are freed. Reserved
-pages that pins keep mapped stay in service meanwhile (refusing them can deadlock, see
-``pages_available``). ``state()`` says what a pending shrink waits for, in pages and in bytes
-(``page_cost``: what one logical page costs in every layer, region and replica).
-
-A shared budget (``kvcached.budget``), when given, bounds mapping as the limit does, strictly: a
-page is mapped only with bytes the budget granted, which go back once the page's memory is gone
-(``release_unmapped``: at once where the backend holds the memory; where the unmap is a decision
-that workers carry out, when they have). The count and the map
-are two moments (vLLM's ``KVCacheManager.allocate_slots`` compares its blocks with
-``get_num_free_blocks`` and then allocates), and another engine may take the budget's bytes
-between them; so the pages a count promises beyond those mapped are *leased*: their bytes are
-taken from the budget when the count is made, spent by the maps, and what is left goes back at
-the next drain (the end of the scheduler call). What the budget cannot grant is not counted, so
-vLLM sees fewer free blocks rather than a failed allocation, and the budget is never exceeded
-(no page is mapped beyond it as an overdraft). The cost is one grant and one
-release per scheduler call that counts with room to grow (about 11 us each on tmpfs), and
-engines whose scheduler calls overlap see each other's leases as used for that long.
+(mapped but holding no block: ready to hand out without paying for a map) or *in use* (the KV
+cache manager has blocks on it). The allocator maps pages as the manager asks, within a memory
+limit and, when one is given, a shared budget (``kvcached.budget``). It unmaps a reserved page
+only once the ledger has let it go (``_trim``), and learns which pages it may by draining the
+ledger's queue (``_drain``).
 """
 
 from __future__ import annotations
@@ -106,7 +76,12 @@ def _sized(pages: int, nbytes: int, with_bytes: bool) -> str:
 
 
 class PageBudget(Protocol):
-    """What the allocator needs of a shared budget (``kvcached.budget.Budget``)."""
+    """What the allocator needs of a shared budget (``kvcached.budget.Budget``).
+
+    NOTE: a budget bounds mapping as the limit does, strictly: a page is mapped only with bytes
+    the budget granted. They go back once the page's memory is gone (``release_unmapped``): at
+    once where the backend holds the memory; where the unmap is a decision that workers carry
+    out, when they have. No page is mapped beyond the budget as an overdraft."""
 
     name: str
 
@@ -165,7 +140,7 @@ class PageAllocator:
         self.page_cost = page_cost
         self.budget = budget
         # Pages of budget bytes held but not mapped: what the last count promised beyond the
-        # mapped pages (module docstring). Invariant: the budget's share of this allocator is
+        # mapped pages (``_budget_pages``). Invariant: the budget's share of this allocator is
         # (mapped + _leased) * page_cost.
         self._leased = 0
         self._lease_short = False  # the last count wanted more than the budget could lease
@@ -235,7 +210,19 @@ class PageAllocator:
 
     def _budget_pages(self) -> int:
         """Pages beyond the mapped ones that maps may use now: leased as the count is made (every
-        page without a budget)."""
+        page without a budget).
+
+        NOTE: the count and the map are two moments (vLLM's ``KVCacheManager.allocate_slots``
+        compares its blocks with ``get_num_free_blocks`` and then allocates), and another engine
+        may take the budget's bytes between them. So the pages a count promises beyond those
+        mapped are *leased*: their bytes are taken from the budget when the count is made, spent
+        by the maps, and what is left goes back at the next drain (the end of the scheduler
+        call, ``_return_lease``). What the budget cannot grant is not counted, so vLLM sees fewer
+        free blocks rather than a failed allocation, and the budget is never exceeded.
+
+        NOTE: the cost is one grant and one release per scheduler call that counts with room to
+        grow (about 11 us each on tmpfs). Engines whose scheduler calls overlap see each other's
+        leases as used for that long."""
         budget = self.budget
         if budget is None:
             return self.num_pages
@@ -395,6 +382,16 @@ class PageAllocator:
     def _drain(self) -> AbstractSet[int]:
         """Take the ledger's queue; note the reserved pages in it, return all of this range's.
 
+        NOTE: this is the one way the allocator learns which pages the ledger lets go: it drains
+        the ledger's queue of pages that became releasable (``Ledger.take_fresh_releasable``), as
+        vLLM's scheduler drains its block pool's KV event queue (``BlockPool.take_events``)
+        instead of being called back. It drains where its view and the ledger's agree, so that
+        a releasable page is a reserved one. That is at the end of each scheduler call, after
+        the events recorded outside it (the engine's wrapper of the call calls
+        ``drain_releasable``), when the manager's free has emptied pages, and when the limit
+        changes. It is never called from inside ``Recorder.emit``, so its own events
+        (``PageUnmapped``) are never emitted from inside another.
+
         A releasable page that is not reserved is one the manager has just emptied (see
         ``release_pages``) or one handed out whose ``BlockAlloc`` is not recorded yet; the
         latter comes back through the queue when its blocks are next freed."""
@@ -408,6 +405,14 @@ class PageAllocator:
         return fresh
 
     def _trim(self) -> None:
+        """Unmap the reserved pages the ledger has let go, top of the range first, while the limits
+        ask for memory back.
+
+        NOTE: mapping is cheap to decide and expensive to do; unmapping is the reverse: it is
+        only safe when the ledger says so. So the allocator never unmaps on its own judgement.
+        It unmaps a reserved page only when the ledger has let it go and it has a reason to give
+        memory back: more reserved pages than ``KVCACHED_MAX_RESERVED_PAGES``, or more mapped
+        pages than the memory limit."""
         kept: list[int] = []
         gone = 0
         # The top of the range goes first. One heap for the pass: taking max() of the set for each
@@ -450,6 +455,11 @@ class PageAllocator:
     def set_limit(self, pages: int) -> AllocatorState:
         """Lower or raise the limit; a lowered limit shrinks now as far as the ledger allows.
 
+        NOTE: a limit lowered below what is mapped starts a *shrink*: no page is mapped,
+        reserved pages go as soon as the ledger lets them, pages in use when their blocks are
+        freed. Reserved pages that pins keep mapped stay in service meanwhile (refusing them can
+        deadlock, see ``pages_available``). ``state()`` says what a pending shrink waits for.
+
         NOTE: a raised limit maps nothing: the reserve refills at the next ``alloc_page``, when
         the engine has work. Topping it up here made an idle engine whose limit was lifted take
         its reserve's pages back from a neighbour that needed them."""
@@ -481,6 +491,8 @@ class PageAllocator:
         return self.state()
 
     def state(self) -> AllocatorState:
+        """What the allocator holds, and what a pending shrink waits for, in pages and in bytes
+        (``page_cost``: what one logical page costs in every layer, region and replica)."""
         waiting: Counter[str] = Counter()
         if self.shrinking:
             for page in self._reserved - self._goable:

@@ -3,29 +3,9 @@
 vLLM lays a region's blocks end to end (block ``b`` at ``b * block_bytes``), so a page can hold
 only whole blocks when its size is a multiple of the block: otherwise a block would straddle two
 pages and one of them could go while the block is live (``kv_layout.plan``). A page must also be
-what the backend can map: a multiple of the OS page on the host backend (``mmap.PAGESIZE``,
-4 KiB on x86), of the allocation granularity on CUDA (2 MiB; the CUDA backend checks the real
-device's when it is created). Pages of whole blocks on a backend are therefore the multiples of
-``lcm(block, granularity)``.
-
-The default page (``KVCACHED_PAGE_SIZE_MB``, 2 MiB, upstream kvcached's) fits every
-power-of-two block up to 2 MiB, but not MLA's 576-wide latent (18432 B per 16 tokens), a Mamba2
-state (e.g. 1085440 B) or a block above 2 MiB. When the user did not set the page, kvcached
-chooses, in this order:
-
-1. the largest multiple of ``lcm(block, granularity)`` that is at most the default page (the
-   default itself when the block divides it): a page near 2 MiB, so memory comes and goes in the
-   steps the user would have got; on the host backend this serves almost every block
-   (18432 B gives 56 blocks of a 1.96875 MiB page, a Mamba2 state of 1085440 B one of a
-   1.03515625 MiB page);
-2. else ``lcm(block, granularity)`` itself, if it is at most ``AUTO_MAX_PAGE_BYTES`` (the CUDA
-   backend's 18 MiB for MLA);
-3. else nothing: kvcached refuses with the page that would fit, which the user may set.
-
-A page the user set is taken as it is, or refused with pages that would fit this backend (the
-nearest multiples of ``lcm(block, granularity)`` around it) and a ``--block-size`` only where a
-smaller block divides their page. ``choose_page`` is pure and reads nothing: the engine core and
-every worker call it (through ``kv_layout.plan``) with the same inputs, so they agree on the page.
+what the backend can map (``granularity``). Pages of whole blocks on a backend are therefore the
+multiples of ``lcm(block, granularity)``. ``choose_page`` takes the user's page or picks one
+(``_auto``), and otherwise refuses with a page that would fit.
 """
 
 from __future__ import annotations
@@ -55,7 +35,11 @@ AUTO_MAX_PAGE_BYTES: Final = 64 * MiB
 
 
 def granularity(backend: str) -> int:
-    """The unit a page of ``backend`` ("host" or "cuda") must be a multiple of."""
+    """The unit a page of ``backend`` ("host" or "cuda") must be a multiple of.
+
+    NOTE: a page must be what the backend can map: a multiple of the OS page on the host backend
+    (``mmap.PAGESIZE``, 4 KiB on x86), of the allocation granularity on CUDA (2 MiB; the CUDA
+    backend checks the real device's when it is created)."""
     return mmap.PAGESIZE if backend == "host" else CUDA_GRANULARITY
 
 
@@ -114,11 +98,19 @@ def choose_page(
     unit: int | None = None,
     tokens: int | None = None,
 ) -> PageChoice:
-    """The page for blocks of ``block_bytes`` on ``backend`` (see the module docstring), or a
-    one-line ``ConfigError`` that names a page which fits. ``page_bytes`` is the user's page if
-    ``page_set``, else the default; ``unit`` overrides the backend's granularity; ``tokens`` is
-    the block's size in tokens when its bytes scale with it (attention), for a ``--block-size``
-    hint, and None where they do not (a Mamba state)."""
+    """The page for blocks of ``block_bytes`` on ``backend``, or a one-line ``ConfigError`` that
+    names a page which fits. ``page_bytes`` is the user's page if ``page_set``, else the default;
+    ``unit`` overrides the backend's granularity; ``tokens`` is the block's size in tokens when
+    its bytes scale with it (attention), for a ``--block-size`` hint, and None where they do not
+    (a Mamba state).
+
+    A page the user set is taken as it is, or refused with pages that would fit this backend
+    (the nearest multiples of ``lcm(block, granularity)`` around it) and a ``--block-size`` only
+    where a smaller block divides their page (``_set_refusal``). A page the user did not set is
+    chosen by ``_auto``.
+
+    NOTE: ``choose_page`` is pure and reads nothing: the engine core and every worker call it
+    (through ``kv_layout.plan``) with the same inputs, so they agree on the page."""
     if block_bytes < 1 or page_bytes < 1:
         raise ConfigError(f"kvcached: a KV block of {block_bytes} B or a page of {page_bytes} B is no layout")
     g = unit or granularity(backend)
@@ -138,6 +130,21 @@ def choose_page(
 
 
 def _auto(block_bytes: int, g: int, default: int) -> int | None:
+    """The page kvcached chooses when the user did not set one; None: it refuses.
+
+    NOTE: the default page (``KVCACHED_PAGE_SIZE_MB``, 2 MiB, upstream kvcached's) fits every
+    power-of-two block up to 2 MiB. It does not fit MLA's 576-wide latent (18432 B per 16
+    tokens), a Mamba2 state (e.g. 1085440 B) or a block above 2 MiB. So kvcached chooses, in
+    this order:
+
+    1. The largest multiple of ``lcm(block, granularity)`` that is at most the default page (the
+       default itself when the block divides it). That is a page near 2 MiB, so memory comes and
+       goes in the steps the user would have got. On the host backend this serves almost every
+       block (18432 B gives 56 blocks of a 1.96875 MiB page, a Mamba2 state of 1085440 B one of
+       a 1.03515625 MiB page).
+    2. Else ``lcm(block, granularity)`` itself, if it is at most ``AUTO_MAX_PAGE_BYTES`` (the
+       CUDA backend's 18 MiB for MLA).
+    3. Else nothing: kvcached refuses with the page that would fit, which the user may set."""
     fit = math.lcm(block_bytes, g)
     if fit <= default:
         return default // fit * fit

@@ -2,30 +2,9 @@
 
 It exists so that everything above the backend (page allocator, ledger-driven unmapping, the
 freed-block-copy scenarios) runs and is tested on machines without a GPU, with memory that
-really comes and goes: the range is one private anonymous ``mmap`` reserved with
-``MAP_NORESERVE`` (no commit charge for slots never written), "map" only marks a slot usable
-(the kernel supplies zeroed memory on first write), and "unmap" is ``madvise(MADV_DONTNEED)``,
-which on Linux drops the slot's pages at once and makes the next read return zeros, the same
-observable behaviour as the CUDA backend's zero page. ``resident_bytes()`` asks the kernel with
-``mincore(2)`` over exactly this range, because the process RSS (or ``smaps_rollup``) cannot
-tell this range from the rest of the heap and the tests must see the memory go back.
-Linux only: elsewhere ``MADV_DONTNEED`` does not promise zeros, so the contract would not hold.
-
-*Shared* mode (``HostBackend(shared=path)``) serves vLLM's CPU build, whose worker runs in a
-process of its own, apart from the scheduler that decides which pages go: the range is a file
-on a tmpfs (``/dev/shm``) mapped ``MAP_SHARED`` by both, and "unmap" is ``MADV_REMOVE``, which
-frees the file's pages for every process that maps them, so the scheduler's unmap really
-returns the worker's memory and the worker's next read of the page sees zeros.
-
-*Checking* mode (``HostBackend(checking=True)``, for kvsim and tests): a read of an unmapped
-page returning zeros is exactly how the freed-block copy hides, so here an unmapped slot (never
-mapped, or unmapped) is also ``mprotect``ed ``PROT_NONE``: any access to it faults at once instead
-of being backed by fresh zero memory. A fault cannot be caught in Python (the process dies with
-SIGSEGV, which the simulator reports as a crash with faulthandler's stack), so code that touches
-KV memory asks first: ``check_access(offset, nbytes)`` raises ``UnmappedAccessError`` naming the
-page, and ``unmapped_in`` lists them. A harness that has recorded such an access and wants to go
-on as an unchecked backend would (reading zeros) calls ``expose(page)``; the slot's next map or
-unmap protects it again, and a map in checking mode always starts from zeros.
+really comes and goes. It runs on Linux only. *Shared* mode (``HostBackend(shared=path)``) serves
+vLLM's CPU build, whose worker is a process of its own; *checking* mode
+(``HostBackend(checking=True)``, for kvsim and tests) makes an access to an unmapped slot fault.
 """
 
 from __future__ import annotations
@@ -92,6 +71,7 @@ class HostBackend(Backend):
         create: bool = True,
         checking: bool = False,
     ) -> None:
+        # Linux only: elsewhere MADV_DONTNEED does not promise zeros, so the contract would not hold.
         if sys.platform != "linux":
             raise ConfigError(
                 f"KVCACHED backend 'host' needs Linux (madvise(MADV_DONTNEED) returning zeroed "
@@ -119,6 +99,8 @@ class HostBackend(Backend):
             self.reserve(num_pages)
 
     def _reserve(self, num_pages: int) -> None:
+        """NOTE: the range is one private anonymous ``mmap`` reserved with ``MAP_NORESERVE`` (no
+        commit charge for slots never written), or a shared file (``_map_shared``)."""
         size = num_pages * self.page_bytes
         if self.shared is not None:
             mm = self._map_shared(self.shared, size)
@@ -143,6 +125,11 @@ class HostBackend(Backend):
             raise BackendError(f"host: mprotect of bytes {start}..{start + length} failed: {os.strerror(err)}")
 
     def _map_shared(self, path: str, size: int) -> mmap.mmap:
+        """NOTE: shared mode serves vLLM's CPU build, whose worker runs in a process of its own,
+        apart from the scheduler that decides which pages go. The range is a file on a tmpfs
+        (``/dev/shm``) mapped ``MAP_SHARED`` by both, and "unmap" is ``MADV_REMOVE``. That frees
+        the file's pages for every process that maps them, so the scheduler's unmap really
+        returns the worker's memory and the worker's next read of the page sees zeros."""
         try:
             if self._create:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -171,6 +158,7 @@ class HostBackend(Backend):
             os.close(fd)  # the mapping keeps the file alive
 
     def _map(self, index: int) -> None:
+        """NOTE: "map" only marks a slot usable: the kernel supplies zeroed memory on first write."""
         # Nothing to do: the slot was never written or was madvised away, so the kernel hands
         # out zeroed pages on first write. Touching them here would only cost time.
         if self.checking:
@@ -180,6 +168,9 @@ class HostBackend(Backend):
             self._protect(index * self.page_bytes, self.page_bytes, _PROT_RW)
 
     def _unmap(self, index: int) -> None:
+        """NOTE: "unmap" of a private range is ``madvise(MADV_DONTNEED)`` (of a shared one: see
+        ``_map_shared``), which on Linux drops the slot's pages at once and makes the next read
+        return zeros, the same observable behaviour as the CUDA backend's zero page."""
         assert self._mm is not None
         try:
             self._mm.madvise(self._drop, index * self.page_bytes, self.page_bytes)
@@ -190,6 +181,16 @@ class HostBackend(Backend):
             self._protect(index * self.page_bytes, self.page_bytes, _PROT_NONE)
 
     # --- checking mode ----------------------------------------------------------------------
+    #
+    # A read of an unmapped page returning zeros is exactly how the freed-block copy hides. So in
+    # checking mode an unmapped slot (never mapped, or unmapped) is also ``mprotect``ed
+    # ``PROT_NONE``: any access to it faults at once instead of being backed by fresh zero
+    # memory. A fault cannot be caught in Python (the process dies with SIGSEGV, which the
+    # simulator reports as a crash with faulthandler's stack). So code that touches KV memory
+    # asks first: ``check_access(offset, nbytes)`` raises ``UnmappedAccessError`` naming the
+    # page, and ``unmapped_in`` lists them. A harness that has recorded such an access and wants
+    # to go on as an unchecked backend would (reading zeros) calls ``expose(page)``. The slot's
+    # next map or unmap protects it again, and a map in checking mode always starts from zeros.
 
     def unmapped_in(self, offset: int, nbytes: int) -> list[int]:
         """The slots within bytes ``offset..offset+nbytes`` of the range that are not mapped."""
@@ -267,6 +268,10 @@ class HostBackend(Backend):
 
     def resident_bytes(self) -> int:
         """Bytes of this range resident in RAM now, from mincore(2) over the range.
+
+        NOTE: the kernel is asked over exactly this range because the process RSS (or
+        ``smaps_rollup``) cannot tell this range from the rest of the heap, and the tests must
+        see the memory go back.
 
         Pages that were only *read* after an unmap map the kernel's shared zero page and count
         as resident here though they cost no memory; writes are what the tests measure."""

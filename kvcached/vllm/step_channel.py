@@ -3,34 +3,9 @@
 The scheduler (engine-core process) decides when a logical page is mapped or unmapped; the KV
 memory lives in each worker (one per tensor-parallel rank, in its own process under vLLM's ``mp``
 and Ray executors, on its own GPU). Upstream kvcached broadcasts those decisions over Unix sockets
-of its own; here they ride vLLM's per-step message instead, so every executor vLLM has carries
-them and nothing else is opened. Engine side, the manager's backends are ``DecisionBackend``
-objects: they keep the backend contract (a page is mapped or not, exactly) and write each
-decision on logical page ``p`` into a ``PageLog``. At the end of ``Scheduler.schedule()`` what
-the log holds is attached to the returned ``SchedulerOutput`` as ``kvcached_page_ops``, a tuple
-of ints: vLLM pickles that dataclass with its ``__dict__`` to every worker (the ``mp`` executor's
-shared-memory queue, ``shm_broadcast.MessageQueue.enqueue``; Ray's compiled graph; the ``uni``
-executor hands the object itself). Worker side, ``GPUModelRunner.execute_model`` (which every
-executor's worker path ends in, Ray's ``execute_model_ray`` included) first applies the ops to
-this worker's own range, then runs the step. When the engine goes idle (``EngineCore.has_work``
-is false) with decisions pending, they go out through vLLM's ``collective_rpc``, the path vLLM
-uses for its utility calls, so an idle engine still gives memory back. docs/design.md ("Tensor
-parallel: decisions ride the step") says why this ordering is safe.
-
-Message: ``(seq, blocks_per_page, op, ...)``; ``op >= 0`` maps logical page ``op``, ``op < 0``
-unmaps page ``~op``. ``seq`` counts batches from 1; a worker refuses a gap (a batch an executor
-lost would leave its memory out of step with the ledger), and batch 1 first drops whatever
-vLLM's warm-up wrote. ``blocks_per_page`` lets each worker check that its own plan puts blocks
-on the same pages as the scheduler's.
-
-An unmap decided here frees nothing yet: the workers still hold the page until they apply the
-batch. So under a shared budget the page's bytes are not given back when the allocator decides
-(``DeferredRelease`` holds them in the log) but when the batch is known applied: the model
-output of the step that carried it has reached ``Scheduler.update_from_output`` (every rank
-applies its batch before its forward pass, and the output rank's forward waits for every rank's
-collectives), or an idle engine's ``collective_rpc`` flush has returned. Otherwise a neighbour's
-worker could map those bytes while this engine's still held them, and on a GPU its
-``cuMemCreate`` would fail.
+of its own. Here they ride vLLM's per-step message instead (``ATTR``), so every executor vLLM has
+carries them and nothing else is opened. Under a shared budget, an unmap's bytes go back only
+once its batch is applied (``DeferredRelease``).
 """
 
 from __future__ import annotations
@@ -45,6 +20,21 @@ if TYPE_CHECKING:
     from ..budget import Budget
 
 # The attribute of vLLM's ``SchedulerOutput`` that carries a batch, as the patch table adds it.
+#
+# Engine side, the manager's backends are ``DecisionBackend`` objects: they keep the backend
+# contract (a page is mapped or not, exactly) and write each decision on logical page ``p`` into a
+# ``PageLog``. At the end of ``Scheduler.schedule()`` what the log holds is attached to the
+# returned ``SchedulerOutput`` as ``kvcached_page_ops``, a tuple of ints. vLLM pickles that
+# dataclass with its ``__dict__`` to every worker (the ``mp`` executor's shared-memory queue,
+# ``shm_broadcast.MessageQueue.enqueue``; Ray's compiled graph; the ``uni`` executor hands the
+# object itself).
+#
+# Worker side, ``GPUModelRunner.execute_model`` (which every executor's worker path ends in, Ray's
+# ``execute_model_ray`` included) first applies the ops to this worker's own range, then runs the
+# step. When the engine goes idle (``EngineCore.has_work`` is false) with decisions pending, they
+# go out through vLLM's ``collective_rpc``, the path vLLM uses for its utility calls, so an idle
+# engine still gives memory back. docs/design.md ("Tensor parallel: decisions ride the step") says
+# why this ordering is safe.
 ATTR: Final = by_name("page decisions ride the step").attrs[0]
 
 
@@ -63,7 +53,7 @@ class PageLog:
         self._lock = threading.Lock()
         self.batches = 0  # batches sent with at least one op (for the tests and the log)
         # Budget bytes of the unmaps recorded since the last batch, then per batch sent and not
-        # yet known applied: (seq, bytes), oldest first (module docstring).
+        # yet known applied: (seq, bytes), oldest first (``DeferredRelease``).
         self._held = 0
         self._unapplied: list[tuple[int, int]] = []
 
@@ -95,6 +85,13 @@ class PageLog:
         return bool(self._ops)
 
     def take(self) -> tuple[int, ...]:
+        """The next batch, as the message the workers receive: ``(seq, blocks_per_page, op, ...)``.
+
+        NOTE: ``op >= 0`` maps logical page ``op``, ``op < 0`` unmaps page ``~op``. ``seq``
+        counts batches from 1; a worker refuses a gap (a batch an executor lost would leave its
+        memory out of step with the ledger), and batch 1 first drops whatever vLLM's warm-up
+        wrote. ``blocks_per_page`` lets each worker check that its own plan puts blocks on the
+        same pages as the scheduler's."""
         with self._lock:
             self.seq += 1
             ops, self._ops = self._ops, []
@@ -109,7 +106,16 @@ class PageLog:
 class DeferredRelease:
     """The engine core's hand on a shared budget (``kvcached.page_allocator.PageBudget``): grants
     and the return of unspent leases go straight to the budget; the bytes of an unmap wait in the
-    page log until its batch is applied (``release_applied``)."""
+    page log until its batch is applied (``release_applied``).
+
+    NOTE: an unmap decided in the engine core frees nothing yet: the workers still hold the page
+    until they apply the batch. So the page's bytes are not given back when the allocator decides
+    but when the batch is known applied. That is when the model output of the step that carried
+    it has reached ``Scheduler.update_from_output`` (every rank applies its batch before its
+    forward pass, and the output rank's forward waits for every rank's collectives), or when an
+    idle engine's ``collective_rpc`` flush has returned. Otherwise a neighbour's worker could map
+    those bytes while this engine's still held them, and on a GPU its ``cuMemCreate`` would
+    fail."""
 
     def __init__(self, budget: Budget, page_log: PageLog) -> None:
         self.budget = budget

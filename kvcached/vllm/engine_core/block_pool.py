@@ -2,41 +2,9 @@
 
 vLLM hands out free blocks from the head of one LRU queue, with no idea of pages, so a page
 almost never empties and elastic memory never gives anything back. ``install_page_aware_pool``
-wraps the scheduler's live ``BlockPool`` instance (vLLM's classes stay untouched) so that:
-
-* a block is *held* by kvcached while vLLM uses it or while it sits in the prefix cache (free
-  but cached, or released with ``unpin_blocks``, which stays readable until reused): a page
-  with a cached block must stay mapped, or a prefix hit would read zeros;
-* ``get_new_blocks`` chooses blocks from kvcached's manager first (partly used pages first; the
-  manager maps pages as needed and within its memory limit), and only then cached blocks in
-  vLLM's own LRU order, so prefix caching and eviction behave as in vLLM. It moves its choice
-  to the head of vLLM's free queue and lets vLLM's own ``get_new_blocks`` hand it out, so
-  eviction from the prefix cache, reuse watchers, reference counts and metrics stay vLLM's
-  code (the seam and the private names it cannot avoid are in ``pool_seam``);
-* ``touch`` takes a free block kvcached does not hold as cached from the manager first (its
-  page put in use, mapped if need be), as vLLM takes it out of its queue: vLLM's tests of its
-  issue #33775 touch such blocks, which the manager would otherwise hand out again;
-* a block freed without a hash, evicted, or dropped by a prefix-cache reset goes back to the
-  manager: one ``BlockFree``, and its page goes when the ledger allows;
-* the two views agree: kvcached's manager holds a block exactly while vLLM uses it or keeps it
-  evictable (``disagreements`` lists any block where they do not). Each call checks the blocks
-  it moves and raises ``PoolAgreementError`` before either side changes, rather than letting a
-  block be handed out twice later;
-* ``get_num_free_blocks`` counts what can really be handed out: the manager's available
-  blocks plus the evictable cached ones (so a lowered memory limit is seen by the scheduler);
-* cached blocks are evicted by page, so that whole pages empty: a shrink (a memory limit
-  below what is mapped, ``shrink``) evicts the cached blocks of pages none of whose blocks
-  vLLM uses, so that an idle engine with a full prefix cache reaches its limit (it never did:
-  the cache kept every page in use), and the cache cap evicts as many blocks as vLLM's LRU
-  order would, chosen by page (the fewest live blocks, then the least recently used), so
-  that what it keeps sits on few pages. vLLM's LRU order over blocks takes a block of every
-  page and empties few; ``eviction="lru"`` keeps it, for ``benchmarks/bench_pages.py`` to
-  compare. A shrink runs when the limit is set and, while it is pending, whenever blocks join
-  the cache (a request that finishes); both evict through vLLM's ``evict_blocks``.
-
-The pool records no event of its own: the manager records the blocks it hands out and takes
-back, and the bridge records the prefix-cache reset (it wraps vLLM's reset underneath this
-pool, so that the reset comes before the frees it causes).
+wraps the scheduler's live ``BlockPool`` instance (vLLM's classes stay untouched). New blocks
+come from the manager first, partly used pages first, and cached blocks are evicted by page, so
+that whole pages empty; prefix caching and eviction otherwise behave as in vLLM.
 """
 
 from __future__ import annotations
@@ -64,7 +32,19 @@ class PoolAgreementError(ConsistencyError):
 
 
 class PageAwarePool:
-    """The wrapper's state: which blocks kvcached holds, and the evictable (cached) ones."""
+    """The wrapper's state: which blocks kvcached holds, and the evictable (cached) ones.
+
+    NOTE: a block is *held* by kvcached while vLLM uses it or while it sits in the prefix cache
+    (free but cached, or released with ``unpin_blocks``, which stays readable until reused). A
+    page with a cached block must stay mapped, or a prefix hit would read zeros.
+
+    NOTE: the two views agree: kvcached's manager holds a block exactly while vLLM uses it or
+    keeps it evictable (``disagreements`` lists any block where they do not). Each call checks
+    the blocks it moves and raises ``PoolAgreementError`` before either side changes, rather
+    than letting a block be handed out twice later.
+
+    NOTE: the pool records no event of its own: the manager records the blocks it hands out and
+    takes back, and the bridge records the prefix-cache reset (``reset_prefix_cache``)."""
 
     def __init__(
         self, pool: Any, manager: KVCacheManager, *, max_cached_blocks: int | None = None, eviction: str = "page"
@@ -90,6 +70,8 @@ class PageAwarePool:
     # --- the wrapped calls --------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> Any:  # an int: the object vLLM's queue holds, when it is the answer
+        """What can really be handed out: the manager's available blocks plus the evictable cached
+        ones, so that a lowered memory limit is seen by the scheduler."""
         # Asked ~200 times a prefill-heavy step: vLLM's queue is held (vLLM sets it once, in
         # BlockPool.__init__) rather than looked up, and its count is returned as the object it
         # is when it is the answer (typed int, the result was a new int object every call).
@@ -104,6 +86,14 @@ class PageAwarePool:
         return queued if n <= k else k
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        """Blocks from kvcached's manager first (partly used pages first; the manager maps pages
+        as needed and within its memory limit), and only then cached blocks in vLLM's own LRU
+        order, so that prefix caching and eviction behave as in vLLM.
+
+        NOTE: the choice is moved to the head of vLLM's free queue, and vLLM's own
+        ``get_new_blocks`` hands it out. So eviction from the prefix cache, reuse watchers,
+        reference counts and metrics stay vLLM's code (the seam and the private names it cannot
+        avoid are in ``pool_seam``)."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks: list[Any] = self.pool.blocks
@@ -149,6 +139,11 @@ class PageAwarePool:
             raise
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
+        """vLLM's free; a freed block with a hash joins the evictable ones, one without goes back
+        to the manager: one ``BlockFree``, and its page goes when the ledger allows.
+
+        NOTE: a block evicted (``evict_blocks``) or dropped by a prefix-cache reset
+        (``reset_prefix_cache``) goes back to the manager the same way."""
         blocks = list(ordered_blocks)
         # The ids of this pool's own blocks, read while checking that kvcached holds them: after
         # vLLM's free only their reference counts (and hashes) need reading again. An attribute
@@ -199,9 +194,11 @@ class PageAwarePool:
             self.shrink()
 
     def touch(self, blocks: Sequence[Any]) -> None:
-        # vLLM's touch takes every unused block out of its free queue: a cached one (a prefix
-        # hit) kvcached already holds; any other one it must take from its manager first, or
-        # the manager hands it out again (vLLM's tests of its issue #33775 touch such blocks).
+        """NOTE: vLLM's touch takes every unused block out of its free queue. A cached one (a
+        prefix hit) kvcached already holds. Any other one, a free block kvcached does not hold
+        as cached, is taken from the manager first (its page put in use, mapped if need be), as
+        vLLM takes it out of its queue. vLLM's tests of its issue #33775 touch such blocks,
+        which the manager would otherwise hand out again."""
         hits: list[int] = []
         take: dict[int, None] = {}  # in order, once each (a block may be touched twice)
         for block in blocks:
@@ -247,6 +244,8 @@ class PageAwarePool:
         self.manager.free(gone)
 
     def reset_prefix_cache(self) -> bool:
+        """NOTE: the bridge records the reset, not this pool: it wraps vLLM's reset underneath
+        this pool, so that the reset comes before the frees it causes."""
         self._native = True
         try:
             # vLLM's reset, under the bridge's wrapper when there is one (PrefixCacheReset).
@@ -312,8 +311,14 @@ class PageAwarePool:
         """While a shrink is pending, evict cached blocks until the pages in use fit the limit,
         whole pages at a time; returns how many blocks were evicted.
 
+        NOTE: a shrink (a memory limit below what is mapped) evicts the cached blocks of pages
+        none of whose blocks vLLM uses, so that an idle engine with a full prefix cache reaches
+        its limit; otherwise the cache keeps every page in use and the limit is never reached.
+        A shrink runs when the limit is set and, while it is pending, whenever blocks join the
+        cache (a request that finishes).
+
         A page can only be given back once no block of it is held, so the victims are the
-        cached blocks of pages on which vLLM uses no block (``_rank``); evicting a cached block
+        cached blocks of pages on which vLLM uses no block (``_rank``). Evicting a cached block
         on a page vLLM still uses would cost a prefix hit and free no memory: such pages go
         once their requests end (their blocks join the cache, and this runs again). The
         emptied pages go back as the ledger lets them (a pin keeps a page mapped: grace for one
@@ -365,7 +370,8 @@ class PageAwarePool:
         return victims
 
     def _evict(self, victims: list[int]) -> None:
-        """Evict cached blocks through vLLM (its hash map, events, metrics) and free them."""
+        """Evict cached blocks through vLLM (its hash map, events, metrics) and free them: a shrink
+        and the cache cap both evict through vLLM's ``evict_blocks``."""
         if not victims:
             return
         evict = self._orig["evict_blocks"]  # vLLM's: _maybe_evict_cached_block for each
@@ -380,10 +386,11 @@ class PageAwarePool:
     def _cap_cache(self) -> None:
         """Upstream's KVCACHED_MAX_CACHED_TOKENS: beyond it, cached blocks give their pages back.
 
-        As many blocks go as in vLLM's LRU order, but chosen by page (``_rank``), so that the
-        blocks kept sit on as few pages as possible: an idle engine keeps the cap's blocks on
-        about cap / blocks-per-page pages instead of one of every page it touched (upstream
-        kvcached issue #359, fixed there by PR #390 in the same spirit)."""
+        As many blocks go as in vLLM's LRU order, but chosen by page (``_rank``: the fewest live
+        blocks, then the least recently used), so that the blocks kept sit on as few pages as
+        possible. An idle engine thus keeps the cap's blocks on about cap / blocks-per-page
+        pages instead of one of every page it touched (upstream kvcached issue #359, fixed there
+        by PR #390 in the same spirit)."""
         cap = self.max_cached_blocks
         if cap is None or len(self.evictable) <= cap:
             return
@@ -403,6 +410,8 @@ class PageAwarePool:
         self._evict(victims)
 
 
+# How cached blocks are chosen for eviction. vLLM's LRU order over blocks takes a block of every
+# page and empties few; "lru" keeps it, for benchmarks/bench_pages.py to compare with "page".
 EVICTION = ("page", "lru")
 
 

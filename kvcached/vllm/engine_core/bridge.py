@@ -1,38 +1,10 @@
 """Ledger events from vLLM's scheduler-side calls, with vLLM left exactly as it is.
 
-The connector copies blocks after vLLM has freed them (the three cases of kvcached PR #598), and vLLM only
-waits for such a copy when it reallocates a block. kvcached must therefore learn, from the
-connector's own public calls, which pages a copy may still read or write. ``install_bridge``
-attaches a bridge to the scheduler-side connector, kvcached's subclass of vLLM's
-OffloadingConnector that vLLM itself builds through its connector factory (``connector``: each
-of these calls goes to the bridge, which calls vLLM's; no class and no module of vLLM changes),
-and turns each call into events:
-
-* ``on_new_request``: the request is named (interned to a small integer);
-* ``get_num_new_matched_tokens``: native matching drops the request's old block lists, so its
-  window holds end (review comment P2 on kvcached PR #598); in-flight job pins are untouched;
-* ``build_connector_meta``: which blocks each scheduled request was given in this step, fresh
-  or shared (``RequestBlocks``, for the ledger's I5: a store copies only its request's blocks),
-  window holds for blocks newly given to sliding-window (and non-align Mamba) groups, one
-  ``JobBuilt`` per load and store job with its GPU block ids, preempted and finished requests,
-  then the build boundary;
-* ``update_connector_output``: one ``JobReported`` per job per step, with the summed count;
-* ``has_pending_push_work``: also true while grace pins still need a build to drain, so that
-  an idle engine keeps stepping until every page the ledger holds can go.
-
-It also wraps the block pool's ``reset_prefix_cache`` (vLLM's own, underneath the page-aware
-pool) for ``PrefixCacheReset``, so that a reset is recorded before the frees it causes, and its
-``get_new_blocks``, to tell a request's fresh blocks (its KV is written there) from its prefix
-hits; an
-engine without a KV connector gets a bridge of that call alone (``offloading=False``). Each
-event has one source: these, the bridge's; blocks, the manager's; pages, the allocator's.
-The bridge only records: the allocator learns which pages the events released when the
-engine's wrapper of the scheduler call drains it, once, at the end of the call
-(``scheduler_calls``), as vLLM's ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a
-step; the recorder calls nobody back.
-
-vLLM keeps one block pool for all KV groups (a block id names the same slot in every group's
-tensors), so the ledger sees a single pool, 0.
+The connector copies blocks after vLLM has freed them (the three cases of kvcached PR #598), and
+vLLM only waits for such a copy when it reallocates a block. kvcached must therefore learn, from
+the connector's own public calls, which pages a copy may still read or write. ``install_bridge``
+attaches a ``Bridge`` to the scheduler-side connector and to the block pool, and the bridge turns
+each of their calls into ledger events.
 """
 
 from __future__ import annotations
@@ -59,6 +31,8 @@ from ...ledger.events import (
 from ...ledger.recorder import Recorder
 from .. import patches
 
+# vLLM keeps one block pool for all KV groups (a block id names the same slot in every group's
+# tensors), so the ledger sees a single pool, 0.
 POOL = 0
 
 
@@ -119,7 +93,13 @@ def _block_ids(spec: Any) -> tuple[int, ...]:
 
 
 class Bridge:
-    """Holds the wrapped calls' originals and the request-id interning."""
+    """Holds the wrapped calls' originals and the request-id interning.
+
+    NOTE: each event has one source: those of the calls wrapped here, the bridge's; blocks, the
+    manager's; pages, the allocator's. The bridge only records: the allocator learns which pages
+    the events released when the engine's wrapper of the scheduler call drains it, once, at the
+    end of the call (``scheduler_calls``), as vLLM's ``Scheduler.schedule`` drains
+    ``BlockPool.take_events`` once a step. The recorder calls nobody back."""
 
     def __init__(
         self,
@@ -172,10 +152,13 @@ class Bridge:
     # --- the wrapped calls --------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> Any:
+        """The request is named (interned to a small integer)."""
         self.req(request.request_id)
         return self._orig["on_new_request"](request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        """NOTE: native matching drops the request's old block lists, so its window holds end
+        (review comment P2 on kvcached PR #598); in-flight job pins are untouched."""
         r = self._req_ids.get(request.request_id)
         if r is not None and r not in self._preempted and request.status is self._preempted_status:
             # Preempted between steps (``Scheduler.reset_prefix_cache(reset_running_requests=
@@ -192,6 +175,11 @@ class Bridge:
         return self._orig["get_num_new_matched_tokens"](request, num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """The step's events. Which blocks each scheduled request was given in this step, fresh
+        or shared (``RequestBlocks``, for the ledger's I5: a store copies only its request's
+        blocks). Window holds for blocks newly given to sliding-window (and non-align Mamba)
+        groups. One ``JobBuilt`` per load and store job with its GPU block ids. Preempted and
+        finished requests, then the build boundary."""
         given = _given(scheduler_output)
         owners = self._owners(given, scheduler_output)
         if self.windows:
@@ -340,6 +328,7 @@ class Bridge:
             self._emit(WindowHold(r, POOL, blocks))
 
     def update_connector_output(self, connector_output: Any) -> Any:
+        """One ``JobReported`` per job per step, with the summed count."""
         out = self._orig["update_connector_output"](connector_output)
         meta = connector_output.kv_connector_worker_meta
         completed = getattr(meta, "completed_jobs", None)
@@ -363,16 +352,23 @@ class Bridge:
             self.recorder.emit(BuildBoundary(ledger.build, self.recorder.stamp()))
 
     def has_pending_push_work(self) -> bool:
+        """NOTE: also true while grace pins still need a build to drain, so that an idle engine
+        keeps stepping until every page the ledger holds can go."""
         return bool(self._orig["has_pending_push_work"]()) or self.recorder.ledger.pending_grace_pages() > 0
 
     # --- the wrapped block pool calls -----------------------------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        """The block pool's, noted to tell a request's fresh blocks (its KV is written there) from
+        its prefix hits (``_owners``)."""
         blocks: list[Any] = self._orig["get_new_blocks"](num_blocks)
         self._fresh.update([b.block_id for b in blocks])
         return blocks
 
     def reset_prefix_cache(self) -> bool:
+        """NOTE: this wraps the block pool's reset (vLLM's own, underneath the page-aware pool)
+        for ``PrefixCacheReset``, so that a reset is recorded before the frees it causes. An
+        engine without a KV connector gets a bridge of this call alone (``offloading=False``)."""
         ok = bool(self._orig["reset_prefix_cache"]())
         if ok:
             self._emit(PrefixCacheReset())
@@ -384,6 +380,10 @@ def install_bridge(scheduler: Any, recorder: Recorder, *, offloading: bool = Tru
     it reports its scheduler-side calls to the bridge) and shadow the block pool's prefix-cache
     reset and ``get_new_blocks``, to feed ``recorder``.
     ``offloading=False``: a scheduler without a KV connector, the reset only.
+
+    NOTE: ``scheduler.connector`` is kvcached's subclass of vLLM's OffloadingConnector, which
+    vLLM itself builds through its connector factory (``connector``). Each of the bridged calls
+    goes to the bridge, which calls vLLM's; no class and no module of vLLM changes.
 
     Refuses, with one line saying what to change, a scheduler without an OffloadingConnector
     (unless ``offloading=False``), and a block pool already made page-aware (install the bridge

@@ -2,34 +2,9 @@
 
 kvcached's allocator, manager and page-aware pool belong to the scheduler's thread and are not
 thread-safe, while ``kvctl limit`` and ``kvctl status`` arrive on the ledger service's thread.
-So each scheduler method that can touch them (``patches.SCHEDULER_CALLS``: vLLM's
-``Scheduler.schedule``, ``update_from_output``, ``finish_requests``, ``reset_prefix_cache`` and
-the others there) is shadowed on the one scheduler instance with a wrapper that holds the
-engine's reentrant lock while vLLM's method runs, and a limit takes the same lock: it is applied
-between two scheduler calls, never inside one, and an idle engine (whose busy loop waits for
-requests and calls nothing) is steered at once. The lock costs an uncontended acquire and
-release per call, against a scheduler step of milliseconds; the model's forward pass runs
-outside it, so a limit never waits for a step's GPU work.
-
-Before the lock is let go the wrapper finishes the call's kvcached side, in one place:
-
-* ``schedule`` attaches the page decisions made since the last step to its ``SchedulerOutput``
-  (``step_channel``), so a decision ``kvctl limit`` makes on another thread goes out whole, in
-  this batch or the next;
-* without a KV connector, nothing calls ``build_connector_meta``, so the ledger's grace pins
-  (which end at the next build) would keep every freed page mapped for good; with no connector
-  there is no copy a build could have captured a freed block for, so the bridge closes the open
-  build at the end of each call that frees blocks (``Bridge.close_build``);
-* ``update_from_output`` gets the model output of a step whose batch every worker applied
-  before its forward pass: the budget bytes of that batch's unmaps go back first
-  (``Engine.batch_applied``);
-* the allocator drains the pages the call's events released, once, as vLLM's own
-  ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a step;
-* ``shutdown`` closes the engine (journal, ledger service, budget) after vLLM's (``close_logged``).
-
-A failure inside a call asks the ledger service to save its flight recorder before the
-exception goes on to vLLM, which stops the engine core: the events that led to the error are on
-disk when the process dies.
+So each scheduler method that can touch them is shadowed with a wrapper that holds the engine's
+lock while vLLM's method runs (``install``). Before the lock is let go the wrapper finishes the
+call's kvcached side, in one place (``_wrap``).
 """
 
 from __future__ import annotations
@@ -69,11 +44,26 @@ class Engine(Protocol):
 
 
 # The calls after which, without a connector, the open build is closed: the ones that free blocks.
+# Without a KV connector nothing calls ``build_connector_meta``, so the ledger's grace pins (which
+# end at the next build) would keep every freed page mapped for good. With no connector there is
+# no copy a build could have captured a freed block for, so the bridge closes the open build at
+# the end of each call that frees blocks (``Bridge.close_build``).
 _FREEING = frozenset(("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"))
 
 
 def install(scheduler: Any, engine: Engine) -> None:
-    """Shadow ``scheduler``'s KV calls (those it has) with the engine's wrappers."""
+    """Shadow ``scheduler``'s KV calls (those it has) with the engine's wrappers.
+
+    NOTE: each scheduler method that can touch kvcached's state (``patches.SCHEDULER_CALLS``:
+    vLLM's ``Scheduler.schedule``, ``update_from_output``, ``finish_requests``,
+    ``reset_prefix_cache`` and the others there) is shadowed on the one scheduler instance. Its
+    wrapper holds the engine's reentrant lock while vLLM's method runs, and a limit takes the
+    same lock. So a limit is applied between two scheduler calls, never inside one, and an idle
+    engine (whose busy loop waits for requests and calls nothing) is steered at once.
+
+    NOTE: the lock costs an uncontended acquire and release per call, against a scheduler step
+    of milliseconds. The model's forward pass runs outside it, so a limit never waits for a
+    step's GPU work."""
     patch = patches.by_name("the engine's lock and drain around each KV call")
     replacements = {
         name: _wrap(engine, name, getattr(scheduler, name))
@@ -84,6 +74,27 @@ def install(scheduler: Any, engine: Engine) -> None:
 
 
 def _wrap(engine: Engine, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper of scheduler method ``name``: under the engine's lock, vLLM's ``fn``, then the
+    call's kvcached side.
+
+    NOTE: before the lock is let go the wrapper finishes the call's kvcached side, in one place.
+
+    * ``schedule`` attaches the page decisions made since the last step to its
+      ``SchedulerOutput`` (``step_channel``). So a decision ``kvctl limit`` makes on another
+      thread goes out whole, in this batch or the next.
+    * Without a KV connector, the bridge closes the open build after each call that frees
+      blocks (``Bridge.close_build``; why at ``_FREEING``).
+    * ``update_from_output`` gets the model output of a step whose batch every worker applied
+      before its forward pass. The budget bytes of that batch's unmaps go back first
+      (``Engine.batch_applied``).
+    * The allocator drains the pages the call's events released, once, as vLLM's own
+      ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a step.
+    * ``shutdown`` closes the engine (journal, ledger service, budget) after vLLM's
+      (``close_logged``).
+
+    NOTE: a failure inside a call asks the ledger service to save its flight recorder before the
+    exception goes on to vLLM, which stops the engine core. So the events that led to the error
+    are on disk when the process dies."""
     lock = engine.lock
     bridge = engine.bridge
     closes = name in _FREEING and not engine.offloading and engine.manager is not None
