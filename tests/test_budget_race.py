@@ -3,7 +3,7 @@
 Before, a page that an engine's free-block count had promised vLLM was mapped even when another
 engine had taken the budget's last bytes between the count and the map (an overdraft: the
 budget was over its size by that page until pages were given back). Now the count leases what
-it promises (``kvcached.page_allocator``'s docstring), so engines in separate processes, each
+it promises (``kvcached.page_allocator.PageBudget``'s docstring), so engines in separate processes, each
 allocating what its count says, keep the budget within its size at every moment. The budget's
 state is rewritten in place under its lock; the tests at the end cover the file being replaced
 or growing past what is rewritten in place.
