@@ -2,33 +2,11 @@
 
 kvcached exists so that several models share one GPU's memory: an idle engine gives its KV
 pages back and a busy one maps them. Engines that name the same budget (``KVCACHED_BUDGET``)
-map pages only within it: an engine's allocator takes a page's bytes (every layer, region and
-replica) before mapping it, with ``acquire_up_to`` (its free-block count leases what it promises
-vLLM: ``kvcached.page_allocator``), and ``release`` gives them back. There is no daemon to crash
-or to start first: the budget is a small JSON file in a per-user directory
-(``$XDG_RUNTIME_DIR/kvcached/`` or ``/dev/shm/kvcached-<uid>/``, mode 0700, checked to be the
-user's own and not a link), read and changed only under ``fcntl.flock`` of a lock file beside
-it. Since every reader takes the lock, a change rewrites the file in place (one ``pwrite`` of at
-most a page, which a killed process leaves whole; a larger state is written beside and renamed
-over): a grant and a release cost about 11 us each on tmpfs, against 140 us when each change
-wrote a new file and looked up every engine in ``/proc``. Each engine's share is
-keyed by pid, process start time (``/proc/<pid>/stat`` field 22, so a pid reused by another
-process is not taken for the engine) and a per-process tag (one process may run several
-engines, as the tests do). The shares of dead processes are dropped when they could matter: when
-a grant would fall short, when an engine joins and when the size is set; ``usage`` shows them
-dead and does not count them. So an engine killed with SIGKILL holds nothing another engine
-needs.
-
-An engine that starts on a full budget *joins* (``join``): it claims the bytes it needs to serve
-(its floor, one request of ``max_model_len``), so no other engine is granted them, and waits. The
-engines that hold more than their own floor read what is asked of them (``asked``) from their
-ledger service's thread and give back (``page_allocator.PageAllocator.yield_to``): empty reserve
-pages first, then prefix-cached pages no request uses, down to their floor. The joiner goes on
-once the bytes are free, or refuses to start in one line after ``KVCACHED_JOIN_WAIT_S``.
-
-A budget without a size bounds nothing until one is set (``KVCACHED_BUDGET_BYTES`` or
-``set_budget_size``, which ``kvctl budget NAME SIZE`` calls). Lowering the size below what is in
-use takes nothing away: engines map no more until enough is given back (by their limits).
+map pages only within it. An engine's allocator takes a page's bytes (every layer, region and
+replica) before mapping it, with ``Budget.acquire_up_to``, and ``Budget.release`` gives them
+back. There is no daemon to crash or to start first: the budget is a small JSON file in a
+per-user directory (``budget_dir``), changed only under a lock (``_Files``). An engine that
+starts on a full budget waits for room (``Budget.join``).
 """
 
 from __future__ import annotations
@@ -64,7 +42,12 @@ class BudgetError(ServiceError):
 
 
 class Share(msgspec.Struct, frozen=True, kw_only=True):
-    """One engine's part of a budget, as the file keeps it."""
+    """One engine's part of a budget, as the file keeps it.
+
+    NOTE: a share is keyed by pid, process start time and a per-process tag. The start time
+    (``/proc/<pid>/stat`` field 22) is there so that a pid reused by another process is not taken
+    for the engine. The tag is there because one process may run several engines, as the tests do.
+    """
 
     pid: int
     start: int  # the process's start time in clock ticks since boot (0 where /proc is absent)
@@ -110,7 +93,10 @@ class BudgetUsage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def budget_dir() -> str:
-    """The per-user directory of budgets (made if need be)."""
+    """The per-user directory of budgets (made if need be).
+
+    NOTE: it is ``$XDG_RUNTIME_DIR/kvcached/`` or ``/dev/shm/kvcached-<uid>/``, mode 0700, and
+    checked to be the user's own and not a link (``_own_dir``)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "kvcached")
@@ -197,7 +183,14 @@ def _open_regular(path: str, flags: int) -> int:
 
 
 class _Files:
-    """The lock file and the state file of one budget: regular files of this user only."""
+    """The lock file and the state file of one budget: regular files of this user only.
+
+    NOTE: the state is read and changed only under ``fcntl.flock`` of the lock file beside it.
+    Since every reader takes the lock, a change rewrites the file in place (``write``): one
+    ``pwrite`` of at most a page, which a killed process leaves whole. A larger state is written
+    beside and renamed over. A grant and a release cost about 11 us each on tmpfs, against 140 us
+    when each change wrote a new file and looked up every engine in ``/proc``.
+    """
 
     def __init__(self, name: str, directory: str | None) -> None:
         _check_name(name)
@@ -320,7 +313,10 @@ class _Files:
 
         Asked only where a dead share could matter (joining, resizing, a grant that would fall
         short): it reads ``/proc`` for each share, which was 40% of a grant's cost when every
-        change did it."""
+        change did it.
+
+        NOTE: ``usage`` shows the shares of dead processes as dead and does not count them. So an
+        engine killed with SIGKILL holds nothing another engine needs."""
         live = tuple(s for s in state.shares if _alive(s))
         if len(live) == len(state.shares):
             return state
@@ -391,6 +387,9 @@ class Budget:
         """Take as many whole ``unit``s of ``nbytes`` as the budget has room for, in one change;
         returns the bytes taken (a multiple of ``unit``, possibly 0).
 
+        NOTE: an engine's allocator takes a page's bytes this way before mapping it; its
+        free-block count leases what it promises vLLM (``kvcached.page_allocator``).
+
         The shares of dead processes are dropped only when the room falls short, so a grant
         that fits costs one locked read and one write."""
         if nbytes <= 0 or unit <= 0:
@@ -421,7 +420,14 @@ class Budget:
         Meanwhile the bytes are claimed: no other engine is granted them, and engines that hold
         more than their floor give back toward them (``asked``, which their controls read).
         Raises ``BudgetError`` in one line at the bound, naming what holds the budget.
-        ``kvcached.budget``'s docstring says why."""
+
+        NOTE: an engine that starts on a full budget joins: it claims the bytes it needs to serve
+        (its floor, one request of ``max_model_len``), so no other engine is granted them, and
+        waits. The engines that hold more than their own floor read what is asked of them
+        (``asked``) from their ledger service's thread. They give back
+        (``page_allocator.PageAllocator.yield_to``): empty reserve pages first, then
+        prefix-cached pages no request uses, down to their floor. The joiner goes on once the
+        bytes are free, or refuses to start in one line after ``KVCACHED_JOIN_WAIT_S``."""
         t0 = time.monotonic()
         claimed = False
         while True:
@@ -572,7 +578,11 @@ def held_still(name: str, *, directory: str | None = None) -> Iterator[BudgetUsa
 
 
 def set_budget_size(name: str, nbytes: int | None, *, directory: str | None = None) -> BudgetUsage:
-    """Set a budget's size (made if new), for ``kvctl budget NAME SIZE``; returns its usage."""
+    """Set a budget's size (made if new), for ``kvctl budget NAME SIZE``; returns its usage.
+
+    NOTE: a budget without a size bounds nothing until one is set (``KVCACHED_BUDGET_BYTES`` or
+    this function). Lowering the size below what is in use takes nothing away: engines map no
+    more until enough is given back (by their limits)."""
     if nbytes is not None and nbytes < 0:
         raise ConfigError(f"budget {name}: size must be >= 0 bytes, got {nbytes}")
     files = _Files(name, directory)

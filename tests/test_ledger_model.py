@@ -2,7 +2,7 @@
 
 ``NaiveModel`` keeps every event it was given and answers each question by replaying the whole
 history from the first event: no pin counters, no due lists, no fresh list, no incremental
-state. It is written from the specification (the ledger's module docstring), not from the
+state. It is written from the specification (``Ledger``'s docstring), not from the
 ledger's code, so that the two can only agree by both being right.
 
 The generators below produce LEGAL sequences only (no double alloc, no unmap of a page the

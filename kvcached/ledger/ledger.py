@@ -3,26 +3,8 @@
 The allocator (live) and kvreplay (offline) both feed events to ``Ledger.apply`` and both ask
 it the same questions, so a bug reproduced by replay is a bug of the code that serves. The
 ledger is synchronous, pure (it performs no I/O and no unmapping) and incremental: an event
-touches only the pages it names, so it can sit on vLLM's scheduler thread.
-
-A page is *releasable* (it may be unmapped now, its memory given back) under ``legacy`` when it
-is mapped and holds no allocated block, and under ``ledger`` when, in addition, nothing pins it.
-(Earlier versions of this project and its design brief said "unmappable"; we avoid the word,
-which most readers take to mean "cannot be mapped".) Pins are of three kinds:
-
-* job pin: the pages of a transfer job's blocks, from the build that returns the job until its
-  workers have reported it as many times as it has workers;
-* grace: a page emptied by a free stays until the build open at the time of the free has been
-  built, because vLLM builds the last-block store of a finished request in that build;
-* window hold: pages of a request's sliding-window blocks, until its last build
-  (``RequestFinished``) or until native matching drops its old block lists (``WindowRelease``).
-
-Invariants I1-I5 (see ``findings.INVARIANTS``) are checked on every event. A violation is
-recorded as a value and the ledger keeps going: replay must see every violation, not the first.
-
-This module holds the rules only: the state they change is declared in ``tables``, the questions
-that read it are in ``queries``, the slow paths (witnesses, I4) in ``checks``, and snapshots in
-``state``; all of them take the tables, none of them the ledger.
+touches only the pages it names, so it can sit on vLLM's scheduler thread. ``Ledger`` says
+which pages are *releasable* under each policy, what pins a page, and which invariants it checks.
 """
 
 from __future__ import annotations
@@ -78,6 +60,26 @@ class Ledger(LedgerQueries):
     The questions (``why``, ``releasable``, ``index``, ...) are ``LedgerQueries``'; the state is
     ``tables`` (a ``LedgerTables``), which the rules below change (and ``checks``, when they
     record what they found).
+
+    NOTE: a page is *releasable* (it may be unmapped now, its memory given back) under ``legacy``
+    when it is mapped and holds no allocated block, and under ``ledger`` when, in addition,
+    nothing pins it. The word is "releasable", not "unmappable", which most readers take to mean
+    "cannot be mapped". Pins are of three kinds:
+
+    * job pin: the pages of a transfer job's blocks, from the build that returns the job until
+      its workers have reported it as many times as it has workers;
+    * grace: a page emptied by a free stays until the build open at the time of the free has been
+      built, because vLLM builds the last-block store of a finished request in that build;
+    * window hold: pages of a request's sliding-window blocks, until its last build
+      (``RequestFinished``) or until native matching drops its old block lists (``WindowRelease``).
+
+    NOTE: invariants I1-I5 (see ``findings.INVARIANTS``) are checked on every event. A violation
+    is recorded as a value and the ledger keeps going: replay must see every violation, not the
+    first.
+
+    NOTE: this module holds the rules only. The state they change is declared in ``tables``, the
+    questions that read it are in ``queries``, the slow paths (witnesses, I4) in ``checks``, and
+    snapshots in ``state``; all of them take the tables, none of them the ledger.
     """
 
     def __init__(
@@ -113,11 +115,11 @@ class Ledger(LedgerQueries):
     # The handlers below are the scheduler's hot path (budget: about 1 us per free or report on
     # a 2-core machine) and replay's inner loop, so they bind locals and inline the pin
     # bookkeeping; the rare paths (violations, I4) live in ``checks``. They are written for
-    # mypyc as much as for CPython (each change measured with callgrind): a local typed
-    # ``int`` is a native integer, so an id that is only a dict key or a stored value is left
-    # untyped (``_fields`` hands it over as the int object msgspec decoded), and the event index
-    # stored per block is boxed once per event (``ix``); typed ``int``, each use would box it
-    # again, a new int object for every value above 256. Tables are updated as
+    # mypyc as much as for CPython (each change measured with callgrind). A local typed ``int``
+    # is a native integer, so an id that is only a dict key or a stored value is left untyped
+    # (``_fields`` hands it over as the int object msgspec decoded). The event index stored per
+    # block is boxed once per event (``ix``); typed ``int``, each use would box it again, a new
+    # int object for every value above 256. Tables are updated as
     # ``k = table[p]; table[p] = k + 1``: mypyc compiles ``table[p] += 1`` as generic
     # arithmetic on objects.
 

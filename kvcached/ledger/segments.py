@@ -4,22 +4,9 @@ service and kvreplay share.
 The journal service writes the journal at ``P`` as segments ``P``, ``P.1``, ``P.2`` ..., each a
 complete journal whose header ``meta`` gives its ``segment`` number and the global index of its
 ``first_event``, and its latest snapshot as ``P.snap`` (docs/trace-format.md). A reader that
-stops at ``P`` calls a twelve-segment run clean after reading a twelfth of it, so everything a
-reader must know lives here once: which files make up the journal (the numbered siblings of
-``P``, contiguous), that each segment starts where the one before it ended, that only the last
-may end in a torn frame, and that a journal starting mid-run (a service started from a
-snapshot) can only be replayed from a snapshot. A file whose header has no ``segment`` (a
-recorder's or kvreplay's trace) is a journal of one file: nothing beside it is read. Given a
-segment ``P.k`` the reader reads the journal it belongs to, from ``P``: the events of a segment
-that starts mid-run mean nothing to a fresh ledger, so reading it alone would report false
-violations; ``start`` (a snapshot's index) skips the segments that end before it unread.
-A service with a size bound deletes the segments before its snapshot's and says so in the header
-of every segment it writes after (``pruned_below``): only that note lets a journal start at a
-segment other than ``P`` when ``P`` is named, and the segments below it that a pruning cut short
-left behind are no part of the journal; a segment missing without the note is lost events.
-Snapshots are msgpack ``LedgerSnapshot`` values; they are read from regular files only, bounded
-by the file's size, and written under a fresh name, then installed without replacing a file
-the writer did not make (:mod:`kvcached.ledger.files`).
+stops at ``P`` calls a twelve-segment run clean after reading a twelfth of it. So everything a
+reader must know lives here once (``RotatedJournal``), beside the snapshot's reader and writer
+(``read_snapshot``, ``write_snapshot``).
 """
 
 from __future__ import annotations
@@ -127,6 +114,16 @@ class RotatedJournal:
     index after the last event, and ``torn_tail``/``torn_segment`` a torn last frame. Problems
     are ``JournalError`` naming the file: a missing segment, one that does not start where the
     one before ended, one from another run, a torn frame anywhere but at the very end.
+
+    NOTE: what a reader must know: which files make up the journal (the numbered siblings of
+    ``P``, contiguous), that each segment starts where the one before it ended, that only the
+    last may end in a torn frame, and that a journal starting mid-run (a service started from a
+    snapshot) can only be replayed from a snapshot. A file whose header has no ``segment`` (a
+    recorder's or kvreplay's trace) is a journal of one file: nothing beside it is read.
+
+    NOTE: given a segment ``P.k`` the reader reads the journal it belongs to, from ``P``. The
+    events of a segment that starts mid-run mean nothing to a fresh ledger, so reading it alone
+    would report false violations.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -224,6 +221,11 @@ class RotatedJournal:
         return Segment(pruned, path, _meta_int(path, header, FIRST_EVENT_KEY) or 0), header
 
     def _discover(self, given: Segment, header: Header) -> list[Segment]:
+        """NOTE: a service with a size bound deletes the segments before its snapshot's and says so
+        in the header of every segment it writes after (``pruned_below``). Only that note lets a
+        journal start at a segment other than ``P`` when ``P`` is named. The segments below it
+        that a pruning cut short left behind are no part of the journal; a segment missing
+        without the note is lost events."""
         numbers = sorted(self._numbers(given.number))
         top = segment_path(self.base, numbers[-1])
         pruned = _meta_int(top, header if numbers[-1] == given.number else read_header(top), PRUNED_KEY) or 0
@@ -274,7 +276,9 @@ class RotatedJournal:
     def batches(self, start: int | None = None) -> Iterator[tuple[int, int, list[Event]]]:
         """``(global index of the first event, bytes before this frame in all segments, events)``
         per frame, for the events with global index >= ``start`` (None: all the journal holds;
-        below its first event: an error, since the events before it are nowhere). Iterate once."""
+        below its first event: an error, since the events before it are nowhere). Iterate once.
+
+        NOTE: ``start`` (a snapshot's index) skips the segments that end before it unread."""
         if start is None:
             start = self.first_event
         if start < self.first_event:
@@ -337,7 +341,10 @@ def _size(path: str) -> int:
 
 def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
     """The snapshot at ``path``; a ``JournalError`` naming it if it is unreadable, not one, or
-    not one that ``Ledger.restore`` and a replay after it can use (``snapshot_problem``)."""
+    not one that ``Ledger.restore`` and a replay after it can use (``snapshot_problem``).
+
+    NOTE: snapshots are msgpack ``LedgerSnapshot`` values; they are read from regular files only,
+    bounded by the file's size."""
     name = os.fspath(path)
     try:
         data = read_regular(name)
@@ -416,7 +423,9 @@ def write_snapshot(path: str, snap: LedgerSnapshot, *, sync: bool = False, repla
     """Writes ``snap`` to ``path``: under a fresh name, then installed (see ``files.install``:
     ``replacing`` None means ``path`` must not exist). Returns the new file's id, to pass as
     ``replacing`` next time. ``sync``: on the disk, rename included, before it returns.
-    Raises ``OSError``; nothing is left behind but the file installed."""
+    Raises ``OSError``; nothing is left behind but the file installed.
+
+    NOTE: it never replaces a file the writer did not make (:mod:`kvcached.ledger.files`)."""
     return write_whole(path, msgspec.msgpack.encode(snap), sync=sync, replacing=replacing)
 
 

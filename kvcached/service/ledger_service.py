@@ -2,24 +2,9 @@
 
 The scheduler applies each event to its ledger, then :meth:`Producer.put` appends the immutable
 event to a ``deque``: no lock, no syscall, no encoding. Everything slow runs on the service's
-anyio loop (a daemon thread, :class:`BackgroundService`, or any loop awaiting
-:meth:`LedgerService.run`): it drains the deque in batches, applies them to its *own replica*
-of the ledger, encodes each batch once (journal and ``kvctl tail``) and writes it as one frame
-from a worker thread, so a slow disk never stalls the loop that answers ``kvctl``. The replica
-costs one more ``apply`` per event (GIL time the engine pays); in exchange the hot path never
-copies or locks the live ledger, and snapshots and pins read a ledger consistent with the
-journal, gaps included. A sleeping writer is woken by one pipe write per batch, else by a short
-timer. A full deque makes the producer drop and count, and one ``Gap`` marks the spot; a
-failing disk stops journaling with one log line while replica, live view and engine go on.
-
-Files, for a journal at ``P``: segments ``P``, ``P.1``, ``P.2`` ..., each a complete journal
-(docs/trace-format.md) whose header ``meta`` adds ``segment`` and ``first_event`` (global index
-of its first event), made visible only once the header is written (a fresh temporary file, then
-linked to its name, never over an existing file). At start the previous run's files are kept
-as ``P.run<N>...`` and nothing the service did not write is touched (``journal_files``).
-``P.snap`` is the latest snapshot, replaced by rename: a msgpack ``LedgerSnapshot`` (as
-``kvreplay snapshot`` writes) of the ledger after events ``[0, index)``, written once those
-events are in the journal. Naming, the segment header and the snapshot writer come from
+anyio loop (:class:`LedgerService`), which keeps its own replica of the ledger. For a journal at
+``P`` it writes segments ``P``, ``P.1``, ``P.2`` ... and the snapshot ``P.snap``
+(docs/trace-format.md). Naming, the segment header and the snapshot writer come from
 ``kvcached.ledger.segments``, whose ``RotatedJournal`` and ``resume`` read all of it back, for
 kvreplay as for anyone else: one reader and one writer of these files.
 """
@@ -80,6 +65,8 @@ class Producer:
 
     Exact for one producer thread (vLLM's scheduler). Several threads may put safely, but
     the bound may be exceeded by one event per thread and drop counts may be approximate.
+
+    NOTE: a full deque makes the producer drop and count, and one ``Gap`` marks the spot.
     """
 
     __slots__ = (
@@ -158,7 +145,18 @@ class Producer:
 
 
 class LedgerService:
-    """Drains a :class:`Producer` into a rotating journal, snapshots and a ledger replica."""
+    """Drains a :class:`Producer` into a rotating journal, snapshots and a ledger replica.
+
+    NOTE: it runs on an anyio loop (a daemon thread, :class:`BackgroundService`, or any loop
+    awaiting :meth:`run`). It drains the deque in batches, applies them to its *own replica* of
+    the ledger, and encodes each batch once (journal and ``kvctl tail``). It writes each batch as
+    one frame from a worker thread, so a slow disk never stalls the loop that answers ``kvctl``.
+    A sleeping writer is woken by one pipe write per batch, else by a short timer (``_sleep``).
+
+    NOTE: the replica costs one more ``apply`` per event (GIL time the engine pays). In exchange
+    the hot path never copies or locks the live ledger, and snapshots and pins read a ledger
+    consistent with the journal, gaps included.
+    """
 
     def __init__(self, header: Header, config: ServiceConfig | None = None, *, start: LedgerSnapshot | None = None):
         self.header = header
@@ -460,6 +458,8 @@ class LedgerService:
             self.config.on_durable(durable)
 
     def _stop_journal(self, exc: BaseException) -> None:
+        """NOTE: a failing disk stops journaling with one log line while replica, live view and
+        engine go on."""
         msg = " ".join(str(exc).split()) or type(exc).__name__
         log.error("kvcached: journaling stopped, serving goes on: %s", msg)
         self._error, self._state = msg, "stopped"
@@ -473,6 +473,8 @@ class LedgerService:
     # --- disk work, in a worker thread (the loop awaits it, so state needs no lock) ------------
 
     def _open_first(self) -> None:
+        """NOTE: at start the previous run's files are kept as ``P.run<N>...`` and nothing the
+        service did not write is touched (``journal_files``)."""
         base = self.config.journal
         assert base is not None
         # Nothing beside the journal is replaced or deleted unless this service wrote it; the
@@ -487,6 +489,10 @@ class LedgerService:
             self._write_snapshot(self._start)
 
     def _open_segment(self, k: int, pruned_below: int = 0) -> JournalWriter:
+        """NOTE: each segment is a complete journal (docs/trace-format.md) whose header ``meta``
+        adds ``segment`` and ``first_event`` (global index of its first event). It is made
+        visible only once the header is written (a fresh temporary file, then linked to its
+        name, never over an existing file)."""
         base = self.config.journal
         assert base is not None
         path = segment_path(base, k)
@@ -558,6 +564,9 @@ class LedgerService:
         self._next_fsync = time.monotonic() + self.config.fsync_interval
 
     def _write_snapshot(self, snap: LedgerSnapshot) -> None:
+        """NOTE: ``P.snap`` is the latest snapshot, replaced by rename: a msgpack
+        ``LedgerSnapshot`` (as ``kvreplay snapshot`` writes) of the ledger after events
+        ``[0, index)``, written once those events are in the journal."""
         base = self.config.journal
         assert base is not None
         sync = self.config.durability is not Durability.NONE

@@ -3,20 +3,9 @@ of flight-recorder dumps.
 
 A journal that only grows fills its disk in days on a busy engine, and so can dumps written over
 weeks. Bounding the journal cannot mean dropping its oldest events, though: a journal whose head
-is gone is replayable only from a snapshot, and the service keeps one (``P.snap``), so once the
-first segment goes every segment before the snapshot's is dead weight. So at each rotation, when
-this run's files (segments and snapshot) would leave no room for one more segment within
-``max_bytes``, the segments before the one that holds the snapshot are deleted at once; if that
-frees too little, the service first takes a snapshot at the rotation (the new segment's first
-event), after which every closed segment may go. The new segment's header says where the journal
-now starts (``segments.PRUNED_KEY``), written before anything is deleted, so that a reader tells a
-pruned head from lost events, and a crash between the two leaves a journal that still reads. Only
-files this run wrote are deleted, each checked to be the very file (device and inode, recorded
-when it was made) and a regular file, never a link; a name that holds anything else is left and
-no longer counted. Between rotations the files stay within ``max_bytes`` plus the last frame of
-the segment being written (it rotates once a frame takes it past the segment size), as long as a
-snapshot and one segment fit (checked at start). Dumps are the same rule with a count: the
-service keeps its newest ``max_dumps`` and deletes the files of its older ones.
+is gone is replayable only from a snapshot. So at a rotation the service deletes the segments
+that its snapshot makes dead weight (``JournalBound``), and it keeps only its newest dumps
+(``DumpRetention``). Only files this run wrote are deleted (``remove_written``).
 """
 
 from __future__ import annotations
@@ -51,7 +40,11 @@ class Written(msgspec.Struct, frozen=True):
 
 def remove_written(f: Written) -> str | None:
     """Deletes ``f.path`` if it still is the regular file this service wrote there; None when
-    deleted (or already gone), else why it was left, in words."""
+    deleted (or already gone), else why it was left, in words.
+
+    NOTE: only files this run wrote are deleted, each checked to be the very file (device and
+    inode, recorded when it was made) and a regular file, never a link. A name that holds
+    anything else is left and no longer counted."""
     st = lstat(f.path)
     if st is None:
         return None
@@ -85,7 +78,11 @@ def check_bound(max_bytes: int, segment_bytes: int, snapshot_bytes: int) -> None
 class JournalBound:
     """This run's segments, oldest first (the last is the one being written), the snapshot's
     size, and where to cut at a rotation so that the run's files stay within ``max_bytes``
-    (0: never cut, only counted)."""
+    (0: never cut, only counted).
+
+    NOTE: between rotations the files stay within ``max_bytes`` plus the last frame of the
+    segment being written (it rotates once a frame takes it past the segment size). That holds
+    as long as a snapshot and one segment fit (checked at start: ``check_bound``)."""
 
     def __init__(self, max_bytes: int, segment_bytes: int) -> None:
         self.max_bytes, self.segment_bytes = max_bytes, segment_bytes
@@ -118,7 +115,14 @@ class JournalBound:
     def plan(self, snap_index: int | None, end: int, current: int) -> tuple[int | None, bool]:
         """At a rotation (the segment being written holds ``current`` bytes and ends at event
         ``end``): (the segment number to keep from, None for no cut; whether a snapshot at ``end``
-        must be taken first). A cut never passes the segment that holds the snapshot."""
+        must be taken first). A cut never passes the segment that holds the snapshot.
+
+        NOTE: the service keeps a snapshot (``P.snap``), so once the first segment goes every
+        segment before the snapshot's is dead weight. So at each rotation, when this run's files
+        (segments and snapshot) would leave no room for one more segment within ``max_bytes``,
+        the segments before the one that holds the snapshot are deleted at once. If that frees
+        too little, the service first takes a snapshot at the rotation (the new segment's first
+        event), after which every closed segment may go."""
         if not self.max_bytes or not self.segments or self._from(self.segments[0].number, current) <= self.max_bytes:
             return None, False
         after = self.segments[-1].number + 1  # the segment about to be opened, from event ``end``
@@ -131,7 +135,12 @@ class JournalBound:
 
     def prune(self, cut: int) -> list[str]:
         """Deletes this run's segments below ``cut`` (oldest first); returns the names left
-        because they no longer hold the file this service wrote."""
+        because they no longer hold the file this service wrote.
+
+        NOTE: the new segment's header says where the journal now starts
+        (``segments.PRUNED_KEY``), written before anything is deleted. So a reader tells a
+        pruned head from lost events, and a crash between the two leaves a journal that still
+        reads."""
         self.pruned_below = cut
         left: list[str] = []
         while self.segments and self.segments[0].number < cut:
@@ -147,7 +156,10 @@ class JournalBound:
 
 
 class DumpRetention:
-    """The flight-recorder dumps this service wrote, oldest first; at most ``keep`` (0: all)."""
+    """The flight-recorder dumps this service wrote, oldest first; at most ``keep`` (0: all).
+
+    NOTE: dumps are the journal's rule with a count: the service keeps its newest ``max_dumps``
+    and deletes the files of its older ones."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep

@@ -1,31 +1,11 @@
 """The SGLang bridge: the ledger's events from SGLang's calls, so no HiCache copy reads an unmapped page.
 
-SGLang guards HiCache's copies in two ways (``managers/cache_controller.py``): a tree node is
-not freed until its copy is acknowledged (``lock_ref``, the ack queues drained by the tree's
-``writing_check`` / ``loading_check``), and stream fences order the *reuse* of freed slots
-after the forward pass. An unmap is not a reuse, and two paths free a copy's slots before its
-acknowledgement: the cache reset (``HiCacheController.reset`` drops ``ack_write_queue`` and
-``ack_load_queue`` without waiting, and ``Scheduler.flush_cache`` only asks ``is_fully_idle``,
-which ignores in-flight copies; the allocator's ``clear`` then frees every slot), and a
-write-back backup, which holds no lock at all. So kvcached pins the pages a copy touches from
-its submission to its completion, as the vLLM bridge does for the OffloadingConnector's jobs.
-
-Both directions go through one choke point, ``L2TransferEngine.submit_device_to_host`` /
-``submit_host_to_device`` (``mem_cache/l2_transfer.py``): each returns a ``TransferCompletion``
-whose ``finish_event`` SGLang keeps in its ``HiCacheAck``. The bridge records a ``JobBuilt`` for
-the device slots of the transfers, keeps the event, and at each scheduler step, before SGLang
-drains its acks, reports the jobs whose events are done (``poll``). The event is left as SGLang
-made it: SGLang passes it to CUDA (``Event.elapsed_time`` in the tree's ``writing_check``, a
-stream's ``wait_event`` in 0.5.23's unified pool), which takes no stand-in. A pin can therefore
-outlast its copy by one step, never the reverse: SGLang frees a node's slots only after it has
-seen the ack, which the poll before it has seen too, or a step later. A copy whose
-acknowledgement a reset dropped is not waited for (the flush returns as SGLang's does): it stays
-outstanding, its pages stay mapped under the freed slots, and the poll ends its pin when the
-copy is done rather than never (I4). A scheduler step
-(``Scheduler.get_next_batch_to_run``, which starts by draining HiCache's acks) is a build
-boundary: a page emptied by a free waits for the next one, for the forward pass of the step
-that freed it; under overlap scheduling one boundary more (``hold_frees``). A step after which
-nothing happened records no boundary (an idle engine's loop keeps stepping).
+SGLang guards HiCache's copies against the *reuse* of freed slots, but an unmap is not a reuse.
+Two paths free a copy's slots before its acknowledgement: the cache reset
+(``Scheduler.flush_cache``, ``Bridge.cache_reset``) and a write-back backup, which holds no lock
+at all. So kvcached pins the pages a copy touches from its submission to its completion
+(``Bridge.submitted``, ``Bridge.poll``), as the vLLM bridge does for the OffloadingConnector's
+jobs. A scheduler step is a build boundary (``Bridge.step``).
 """
 
 from __future__ import annotations
@@ -50,7 +30,15 @@ if TYPE_CHECKING:
 
 
 class Bridge:
-    """Events from SGLang's calls into one engine's ledger (see the module docstring)."""
+    """Events from SGLang's calls into one engine's ledger.
+
+    NOTE: SGLang guards HiCache's copies in two ways (``managers/cache_controller.py``). A tree
+    node is not freed until its copy is acknowledged (``lock_ref``, the ack queues drained by the
+    tree's ``writing_check`` / ``loading_check``). Stream fences order the *reuse* of freed slots
+    after the forward pass. An unmap is not a reuse, and two paths free a copy's slots before its
+    acknowledgement: the cache reset (``cache_reset``) and a write-back backup, which holds no
+    lock at all. So kvcached pins the pages a copy touches from its submission to its completion.
+    """
 
     def __init__(self, recorder: Recorder, manager: KVCacheManager, pool: Any, page_size: int) -> None:
         self.recorder = recorder
@@ -87,7 +75,14 @@ class Bridge:
     # --- scheduler ----------------------------------------------------------------------------
 
     def step(self) -> None:
-        """A scheduler step begins: the previous one's forward pass is done."""
+        """A scheduler step begins: the previous one's forward pass is done.
+
+        NOTE: a scheduler step (``Scheduler.get_next_batch_to_run``, which starts by draining
+        HiCache's acks) is a build boundary. A page emptied by a free waits for the next one, for
+        the forward pass of the step that freed it; under overlap scheduling one boundary more
+        (``hold_frees``). A step after which nothing happened records no boundary (an idle
+        engine's loop keeps stepping).
+        """
         ledger = self.recorder.ledger
         if ledger.index != self._quiet_at or self._holds or not ledger.settled:
             self.recorder.emit(BuildBoundary(self.build, self.recorder.stamp()))
@@ -128,7 +123,16 @@ class Bridge:
 
     def submitted(self, kind: JobKind, transfers: Any, completion: Any) -> Any:
         """``L2TransferEngine.submit_*`` returned ``completion`` for ``transfers``: pin the device
-        slots of those on kvcached's pool until it completes; returns the completion SGLang keeps."""
+        slots of those on kvcached's pool until it completes; returns the completion SGLang keeps.
+
+        NOTE: both directions go through one choke point, ``L2TransferEngine.submit_device_to_host``
+        / ``submit_host_to_device`` (``mem_cache/l2_transfer.py``). Each returns a
+        ``TransferCompletion`` whose ``finish_event`` SGLang keeps in its ``HiCacheAck``. The
+        bridge records a ``JobBuilt`` for the device slots of the transfers and keeps the event.
+        The event is left as SGLang made it: SGLang passes it to CUDA (``Event.elapsed_time`` in
+        the tree's ``writing_check``, a stream's ``wait_event`` in 0.5.23's unified pool), which
+        takes no stand-in.
+        """
         blocks: set[int] = set()
         pool, ps = self.pool, self.page_size
         for t in transfers:
@@ -148,7 +152,12 @@ class Bridge:
         return completion
 
     def poll(self) -> None:
-        """Report the copies whose finish events are done (the step drains the pages after)."""
+        """Report the copies whose finish events are done (the step drains the pages after).
+
+        NOTE: this runs at each scheduler step, before SGLang drains its acks. A pin can therefore
+        outlast its copy by one step, never the reverse: SGLang frees a node's slots only after it
+        has seen the ack, which the poll before it has seen too, or a step later.
+        """
         for job, event in list(self.outstanding.items()):
             if event.query():
                 del self.outstanding[job]
@@ -156,6 +165,14 @@ class Bridge:
 
     def cache_reset(self) -> None:
         """The allocator is about to free every slot (``flush_cache``'s ``clear``).
+
+        NOTE: this reset frees a copy's slots before its acknowledgement.
+        ``HiCacheController.reset`` drops ``ack_write_queue`` and ``ack_load_queue`` without
+        waiting, and ``Scheduler.flush_cache`` only asks ``is_fully_idle``, which ignores
+        in-flight copies; the allocator's ``clear`` then frees every slot. A copy whose
+        acknowledgement a reset dropped is not waited for (the flush returns as SGLang's does). It
+        stays outstanding, its pages stay mapped under the freed slots, and the poll ends its pin
+        when the copy is done rather than never (I4).
 
         NOTE: the copies in flight stay in ``outstanding``: SGLang's reset drops their
         acknowledgements (``HiCacheController.reset``), but a copy still reads its pages until its

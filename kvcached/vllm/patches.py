@@ -4,27 +4,8 @@ kvcached leaves vLLM's files as shipped and changes a few of its attributes at r
 such change is one ``Patch`` in ``PATCHES``: the target (module, class, attribute), the vLLM
 versions it is known to hold for, the vLLM function or pull request it relies on, how it is
 installed and when. Nothing else in kvcached assigns to a vLLM attribute; the installers here
-do, and each first checks every target of what it is about to install, so that a vLLM which
-moved one refuses in one line naming the target and the version found, before anything has
-changed. Where vLLM offers a documented seam it is used instead of a patch: the general-plugin
-entry point (``vllm.general_plugins``, which runs ``kvcached.vllm.plugin.register`` in every
-vLLM process), the connector factory's ``kv_connector_module_path`` (vLLM builds kvcached's
-subclass of its ``OffloadingConnector``, ``CONNECTOR_MODULE``) and the offloading spec's
-``spec_module_path`` (``kvcached.vllm.offload.cpu``).
-
-Patches are installed at four moments, ``When``: at plugin load (process-wide wrappers of a
-module's or a class's function, in every vLLM process), at a worker's KV allocation (its model
-runner), at engine build (bound methods shadowed on the one scheduler, connector and block pool
-kvcached is put under, and an attribute added), and when the engine core's busy loop starts.
-Each replacement carries one sentinel, ``SENTINEL``: a wrapper function names its patch, and a
-patched vLLM object lists the patches on it. A target carrying it is installed, which makes
-installing idempotent and lets ``installed()`` say what this process changed (the engine
-core's ``[kvcached] active`` line lists it).
-
-This is upstream kvcached's ``integration/patch_base.py`` idea (``BasePatch``: a library, a
-target, ``can_apply``; ``version_utils.version_range``) kept as data: a frozen record per change
-in one table, not a class per patch, so the whole surface is one screen to read before a vLLM
-upgrade.
+do (``install``, ``shadow``), each after checking its targets (``check``). Where vLLM offers a
+documented seam it is used instead of a patch (``CONNECTOR_MODULE``).
 """
 
 from __future__ import annotations
@@ -40,7 +21,17 @@ import msgspec
 from ..engine.releases import Releases
 from ..errors import ConfigError
 
+# Each replacement carries one sentinel: a wrapper function names its patch, and a patched vLLM
+# object lists the patches on it. A target carrying it is installed, which makes installing
+# idempotent and lets ``installed()`` say what this process changed (the engine core's
+# ``[kvcached] active`` line lists it).
 SENTINEL: Final = "__kvcached_patch__"
+# Where vLLM offers a documented seam it is used instead of a patch. The seams: the
+# general-plugin entry point (``vllm.general_plugins``, which runs ``kvcached.vllm.plugin.register``
+# in every vLLM process), the connector factory's ``kv_connector_module_path`` (vLLM builds
+# kvcached's subclass of its ``OffloadingConnector``, ``CONNECTOR_MODULE``) and the offloading
+# spec's ``spec_module_path`` (``kvcached.vllm.offload.cpu``).
+#
 # vLLM's connector factory takes ``kv_connector`` from this module when the config names it
 # (``kv_connector_module_path``): kvcached's OffloadingConnector, vLLM's under the same name.
 CONNECTOR_MODULE: Final = "kvcached.vllm.engine_core.connector"
@@ -55,6 +46,14 @@ release = VLLM.parse
 
 
 class When(enum.Enum):
+    """The four moments patches are installed at.
+
+    NOTE: at plugin load (process-wide wrappers of a module's or a class's function, in every
+    vLLM process), at a worker's KV allocation (its model runner), at engine build (bound methods
+    shadowed on the one scheduler, connector and block pool kvcached is put under, and an
+    attribute added), and when the engine core's busy loop starts.
+    """
+
     PLUGIN_LOAD = "plugin load"  # ``register``, in every vLLM process
     KV_ALLOCATION = "KV allocation"  # in a worker, when its KV cache is made on kvcached pages
     ENGINE_BUILD = "engine build"  # in the engine core, when kvcached is put under a scheduler
@@ -72,7 +71,13 @@ class How(enum.Enum):
 
 
 class Patch(msgspec.Struct, frozen=True, kw_only=True):
-    """One change to vLLM: ``module.owner.attr`` for each of ``attrs``."""
+    """One change to vLLM: ``module.owner.attr`` for each of ``attrs``.
+
+    NOTE: this is upstream kvcached's ``integration/patch_base.py`` idea (``BasePatch``: a
+    library, a target, ``can_apply``; ``version_utils.version_range``) kept as data. It is a
+    frozen record per change in one table, not a class per patch, so the whole surface is one
+    screen to read before a vLLM upgrade.
+    """
 
     name: str  # what the log and the errors call it
     process: str  # the vLLM process it runs in
@@ -531,7 +536,11 @@ def _attr_owner(patch: Patch, module: Any) -> Any | None:
 
 def check(patches: Iterable[Patch]) -> list[tuple[Patch, Any]]:
     """Every target of ``patches`` (process-wide ones), found or refused; returns (patch, owner)
-    for those present, in order. Changes nothing."""
+    for those present, in order. Changes nothing.
+
+    NOTE: each installer first checks every target of what it is about to install, so that a
+    vLLM which moved one refuses in one line naming the target and the version found, before
+    anything has changed."""
     found = []
     version = vllm_version()
     for p in patches:

@@ -1,33 +1,10 @@
 """kvcached's series on vLLM's ``/metrics``, read from each engine core's live view at scrape time.
 
 vLLM serves ``/metrics`` from its API server processes with ``prometheus_client``; the pages,
-pins and violations live in the engine core processes. vLLM's route for a KV connector's own
-series (``KVConnectorBase.build_prom_metrics`` fed by ``get_kv_connector_stats``, which the
-OffloadingConnector uses for ``vllm:kv_offload_*``) exists only with a connector configured and
-would mean replacing the OffloadingConnector's class methods; kvcached runs without one too.
-So each API server registers one custom collector (``prometheus_client``'s documented way to
-expose values owned elsewhere) that, on each scrape, asks the engine cores its ``vllm serve``
-started (found by ``EngineInfo.api_pid`` among the sockets in the live view's directory) for
-their ``status`` over the socket ``kvctl`` uses: one round trip per engine, a few ms, nothing
-between scrapes. Under ``--api-server-count N`` vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` and
-``/metrics`` is answered by prometheus-fastapi-instrumentator's ``expose`` route, which builds a
-fresh registry per scrape holding only a ``MultiProcessCollector`` (the files every process
-writes): no registry lives long enough to register with, so the patch table wraps
-``MultiProcessCollector.collect`` in the API server to add this server's families.
-
-What an operator joins and alerts on (docs/operating.md lists every series):
-
-- labels are vLLM's: ``model_name`` and ``engine``, the engine index vLLM's own
-  ``PrometheusStatLogger`` puts on ``vllm:kv_cache_usage_perc``, so the two join on both; the
-  engine core's pid and socket are labels of ``vllm:kvcached_info`` only, so a restart does not
-  start new series for every gauge;
-- an engine that answered once and stops answering stays: ``engine_up`` 0 and its info series
-  (an absent series fires no alert);
-- ``violations_total`` has a series per invariant from the first scrape, at 0, so that
-  ``increase(...[5m]) > 0`` sees the first violation (a counter born at 1 is never an increase);
-- ``pages{state}`` partitions the engine's virtual pages, so one label's values sum to
-  ``capacity``: ``in_use`` (a block allocated), ``pinned`` (empty, kept mapped by a pin),
-  ``reserved`` (empty, mapped as a reserve, free to go) and ``unmapped``.
+pins and violations live in the engine core processes. So each API server registers one
+custom collector (``Collector``) that, on each scrape, asks the engine cores its ``vllm serve``
+started for their ``status`` over the socket ``kvctl`` uses. The series are declared once, in
+``SERIES``; docs/operating.md lists every series.
 """
 
 from __future__ import annotations
@@ -46,6 +23,18 @@ log = logging.getLogger("vllm.kvcached")
 
 SCRAPE_TIMEOUT: Final = 1.0  # seconds per engine: Prometheus' own scrape timeout is 10 s
 PREFIX: Final = "vllm:kvcached_"
+# What an operator joins and alerts on (docs/operating.md lists every series):
+# - labels are vLLM's: ``model_name`` and ``engine``, the engine index vLLM's own
+#   ``PrometheusStatLogger`` puts on ``vllm:kv_cache_usage_perc``, so the two join on both. The
+#   engine core's pid and socket are labels of ``vllm:kvcached_info`` only, so a restart does not
+#   start new series for every gauge;
+# - an engine that answered once and stops answering stays: ``engine_up`` 0 and its info series
+#   (an absent series fires no alert);
+# - ``violations_total`` has a series per invariant from the first scrape, at 0, so that
+#   ``increase(...[5m]) > 0`` sees the first violation (a counter born at 1 is never an increase);
+# - ``pages{state}`` partitions the engine's virtual pages, so one label's values sum to
+#   ``capacity``: ``in_use`` (a block allocated), ``pinned`` (empty, kept mapped by a pin),
+#   ``reserved`` (empty, mapped as a reserve, free to go) and ``unmapped``.
 LABELS: Final = ("model_name", "engine")
 PIN_KINDS: Final = ("job", "grace", "window")
 PAGE_STATES: Final = ("in_use", "pinned", "reserved", "unmapped")
@@ -98,7 +87,13 @@ _failed: list[BaseException] = []
 def install(api_pid: int) -> None:
     """Makes this API server's collector (once) and puts it where vLLM's ``/metrics`` reads;
     ``api_pid`` is the ``vllm serve`` process that started the engines (``KVCACHED_SERVE_PID``,
-    inherited by the API servers it spawns), not necessarily this one."""
+    inherited by the API servers it spawns), not necessarily this one.
+
+    NOTE: under ``--api-server-count N`` vLLM sets ``PROMETHEUS_MULTIPROC_DIR``. ``/metrics`` is
+    then answered by prometheus-fastapi-instrumentator's ``expose`` route, which builds a fresh
+    registry per scrape holding only a ``MultiProcessCollector`` (the files every process
+    writes). No registry lives long enough to register with, so the patch table wraps
+    ``MultiProcessCollector.collect`` in the API server to add this server's families."""
     global _collector
     if _collector is not None:
         return
@@ -112,7 +107,7 @@ def install(api_pid: int) -> None:
             log.warning("[kvcached] metrics: not on /metrics: %s", exc)
             return
     # else: /metrics is a registry made per scrape around a MultiProcessCollector, whose collect
-    # the patch table wraps to add families() (see the module docstring).
+    # the patch table wraps to add families() (see the NOTE above).
     _collector = collector
     log.info("[kvcached] metrics: kvcached's series on the /metrics of API server pid %d", os.getpid())
 
@@ -134,7 +129,17 @@ def families() -> list[Any]:
 
 
 class Collector:
-    """A ``prometheus_client`` collector of the engines started by ``vllm serve`` pid ``api_pid``."""
+    """A ``prometheus_client`` collector of the engines started by ``vllm serve`` pid ``api_pid``.
+
+    NOTE: vLLM's route for a KV connector's own series (``KVConnectorBase.build_prom_metrics`` fed
+    by ``get_kv_connector_stats``, which the OffloadingConnector uses for ``vllm:kv_offload_*``)
+    exists only with a connector configured. It would mean replacing the OffloadingConnector's
+    class methods, and kvcached runs without one too. So each API server registers this custom
+    collector (``prometheus_client``'s documented way to expose values owned elsewhere). On each
+    scrape it asks the engine cores its ``vllm serve`` started (found by ``EngineInfo.api_pid``
+    among the sockets in the live view's directory) for their ``status`` over the socket
+    ``kvctl`` uses: one round trip per engine, a few ms, nothing between scrapes.
+    """
 
     def __init__(self, api_pid: int, folder: str | None = None) -> None:
         self.api_pid = api_pid

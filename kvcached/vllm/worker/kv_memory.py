@@ -1,26 +1,11 @@
 """The worker's KV cache tensors, as views of kvcached pages, and the scheduler's handle on them.
 
 vLLM allocates the KV cache as one ``torch.zeros`` buffer and cuts it into per-layer views
-(``allocate_kv_cache`` in ``vllm/v1/worker/utils.py``): block ``b`` of layer ``l`` of a tensor
-starts at ``offset + l * layer_stride + b * block_stride``. kvcached serves that buffer from a
-backend range instead and builds the views with vLLM's own ``create_kv_cache_views``, so every
-layer gets the shape and strides vLLM would have given it. Two layouts occur: block-outermost
-(a block packs all layers: one *contiguous* region, a kvcached page holds whole packed blocks)
-and layer-outermost (each layer its own region: kvcached's *per-layer* layout, logical page
-``p`` mapped in every region at once). In the second, each layer's region is padded to whole
-pages, which moves where each layer's view starts and nothing else; the offloading worker reads
-storage offsets and strides from the views themselves, so it follows. Anything else (layers
-interleaved inside a block, groups at different offsets, host-resident tensors, blocks that do
-not divide a page) is refused with one line, because a page could then hold bytes of blocks
-that are not all free when the ledger lets it go.
-
-The scheduler, which decides when a page goes, runs in the engine-core process; each worker
-(one per tensor-parallel rank) owns its range and applies the scheduler's decisions to it before
-each step (``step_channel``: they ride vLLM's ``SchedulerOutput``), so no process but the worker
-touches its memory, on a CPU as on a GPU. On vLLM's CPU build the host backend keeps the range in
-a ``/dev/shm`` file named by a key every process of one server inherits (``SERVER_KEY_ENV``) and
-the worker's pid; the worker drops the name at the first step (``attach`` is for tests and tools
-that open a range from another process).
+(``allocate_kv_cache`` in ``vllm/v1/worker/utils.py``). kvcached serves that buffer from a
+backend range instead, with the views vLLM would have made (``allocate``). The scheduler, which
+decides when a page goes, runs in the engine-core process. Each worker owns its range
+(``worker_backend``) and applies the scheduler's decisions to it; ``attach`` is the scheduler's
+handle on that range.
 """
 
 from __future__ import annotations
@@ -89,7 +74,15 @@ def check_shm_room(nbytes: int) -> None:
 
 
 def worker_backend(p: KVPlan, *, device: torch.device, backend: str, key: str) -> Backend:
-    """The range the worker's views point into: shared host memory on a CPU, VMM on a GPU."""
+    """The range the worker's views point into: shared host memory on a CPU, VMM on a GPU.
+
+    NOTE: each worker (one per tensor-parallel rank) owns its range and applies the scheduler's
+    decisions to it before each step (``step_channel``: they ride vLLM's ``SchedulerOutput``). So
+    no process but the worker touches its memory, on a CPU as on a GPU. On vLLM's CPU build the
+    host backend keeps the range in a ``/dev/shm`` file named by a key every process of one
+    server inherits (``SERVER_KEY_ENV``) and the worker's pid. The worker drops the name at the
+    first step (``attach`` is for tests and tools that open a range from another process).
+    """
     pages = p.geometry.backend_pages
     if device.type == "cpu":
         if backend == "cuda":
@@ -132,7 +125,22 @@ def allocate(
 ) -> dict[str, torch.Tensor]:
     """What vLLM's ``allocate_kv_cache`` returns (same layers, shapes, strides), on kvcached pages.
     ``page_set``: ``page_bytes`` is the user's (``Settings.page_bytes_set``); if not, the plan may
-    choose another page for the block, as the engine core's does (both know the backend's kind)."""
+    choose another page for the block, as the engine core's does (both know the backend's kind).
+
+    NOTE: in vLLM's views, block ``b`` of layer ``l`` of a tensor starts at
+    ``offset + l * layer_stride + b * block_stride``. kvcached builds the views with vLLM's own
+    ``create_kv_cache_views``, so every layer gets the shape and strides vLLM would have given it.
+    Two layouts occur:
+    block-outermost (a block packs all layers: one *contiguous* region, a kvcached page holds
+    whole packed blocks) and layer-outermost (each layer its own region: kvcached's *per-layer*
+    layout, logical page ``p`` mapped in every region at once).
+
+    NOTE: in the per-layer layout each layer's region is padded to whole pages, which moves where
+    each layer's view starts and nothing else. The offloading worker reads storage offsets and
+    strides from the views themselves, so it follows. Anything else (layers interleaved inside a
+    block, groups at different offsets, host-resident tensors, blocks that do not divide a page)
+    is refused with one line. A page could then hold bytes of blocks that are not all free when
+    the ledger lets it go."""
     import torch
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
