@@ -3,7 +3,7 @@ compiler is available (the list is ``kvcached.ledger.compiled.COMPILED_MODULES``
 
 The ledger, the manager, the page-aware pool and the bridge sit on vLLM's scheduler thread;
 compiled, the ledger's ``apply`` runs 3-5x faster than under CPython and kvcached's share of
-the scheduler step falls by about half (figures in the README). The compiled modules are built
+the scheduler step falls by about half (figures in docs/benchmarks.md). The compiled modules are built
 from the very same typed source, so there is one ledger, not two. ``KVCACHED_MYPYC=0`` builds
 pure Python (the README's test command does this for its editable install, so that an edited
 ``ledger.py`` is what runs); a failed type check or compile falls back to pure Python with one

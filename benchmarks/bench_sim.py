@@ -1,7 +1,7 @@
 """kvsim campaign figures: seeds per minute, coverage, and how often each variant fails each check.
 
 Runs ``kvsim``'s seeds (draw, then every variant: ledger, legacy, never-unmap, vllm) and prints
-what the README reports: seeds per minute (wall clock, all variants of a seed counted as one
+what docs/kvsim.md reports: seeds per minute (wall clock, all variants of a seed counted as one
 seed), the campaign's coverage (preemptions, aborts with jobs in flight, prefix-cache resets,
 memory-limit shrinks, stores, loads, bytes compared), per variant the seeds that failed and the
 count per check, and legacy's failure rate per check (a check legacy never trips is suspect).

@@ -276,3 +276,15 @@ def test_a_planted_bug_is_chosen_by_a_name_the_registry_has() -> None:
             raise AssertionError("planted an unknown bug")
     except ValueError as e:
         assert str(e).startswith("no planted bug 'no-pol'; one of no-poll, ")
+
+
+def test_the_sglang_wing_loads_no_vllm_module_when_it_runs() -> None:
+    """The static rule above misses an import made by name at run time (``importlib``): the
+    check of which modules are compiled must ask the engine-neutral ones alone under SGLang."""
+    code = (
+        "import sys; from kvcached.sglang.control import engine_info;"
+        "engine_info(socket='s', policy='ledger', sglang='0.5.23', budget=None, backend='host', page_size=1);"
+        "loaded = sorted(m for m in sys.modules if m.startswith('kvcached.vllm'));"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

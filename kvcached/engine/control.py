@@ -83,21 +83,17 @@ def engine_info(
     page_size: int,
     compiled: bool,
     port: int | None = None,
+    api_pid: int | None = None,
     index: int = 0,
     data_parallel: int = 1,
 ) -> EngineInfo:
     """Who an engine is, for ``kvctl list`` and the metrics' labels (``engine``: "vLLM 0.34.0",
-    "SGLang 0.5.23"): what its wing knows of it, and what its process knows alike under any
-    engine. ``KVCACHED_SERVE_PID`` / ``KVCACHED_SERVE_PORT`` name the API server that started
-    it, where one did (vLLM's plugin sets them in ``vllm serve``'s API server)."""
-    api = os.environ.get("KVCACHED_SERVE_PID")
-    if port is None:
-        served = os.environ.get("KVCACHED_SERVE_PORT")
-        port = int(served) if served and served.isdigit() else None
+    "SGLang 0.5.23"): what its wing knows of it (the HTTP server's port and pid, where one
+    started it), and what its process knows alike under any engine."""
     return EngineInfo(
         model=model,
         pid=os.getpid(),
-        api_pid=int(api) if api and api.isdigit() else None,
+        api_pid=api_pid,
         port=port,
         socket=socket,
         started_unix=time.time(),

@@ -12,6 +12,7 @@ on a 2-core machine by ``benchmarks/bench_bridge.py`` (scheduler step, instructi
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 # The modules ``pip install .`` compiles: setup.py and scripts/build-compiled.sh read this
 # tuple from this file (a literal, so that they need not import the package to build it). The
@@ -35,6 +36,10 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcached.vllm.engine_core.scheduler_calls",
 )
 
+# The engine-neutral part of it, what a wing other than vLLM's runs: a check of the vLLM modules
+# would import vLLM's wing into that engine's process.
+CORE_COMPILED: tuple[str, ...] = tuple(m for m in COMPILED_MODULES if not m.startswith("kvcached.vllm."))
+
 # What the pure-Python ledger costs, measured (see the module docstring).
 PURE_COST = (
     "kvcached's share of vLLM's scheduler step is about 3x as large (5% against 1.6% at 256 running "
@@ -48,16 +53,14 @@ def is_compiled(module: str) -> bool:
     return not path.endswith(".py")
 
 
-def compiled_status() -> str | None:
-    """None when every module of the compiled hot path is compiled; else one log line saying
-    which run as pure Python, what that costs and how to get the compiled build."""
-    pure = [m for m in COMPILED_MODULES if not is_compiled(m)]
+def compiled_status(modules: Sequence[str] = COMPILED_MODULES) -> str | None:
+    """None when every module of the compiled hot path (``modules``) is compiled; else one log
+    line saying which run as pure Python, what that costs and how to get the compiled build."""
+    pure = [m for m in modules if not is_compiled(m)]
     if not pure:
         return None
     which = (
-        "the hot path (ledger, manager, pool, bridge) runs"
-        if len(pure) == len(COMPILED_MODULES)
-        else f"{', '.join(pure)} run"
+        "the hot path (ledger, manager, pool, bridge) runs" if len(pure) == len(modules) else f"{', '.join(pure)} run"
     )
     return (
         f"[kvcached] {which} as pure Python (installed without a C compiler, or with KVCACHED_MYPYC=0): "

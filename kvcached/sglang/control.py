@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..engine.control import engine_info as core_engine_info
 from ..engine.control import memory_status, refuse_below_floor, with_budget
-from ..ledger.compiled import compiled_status
+from ..ledger.compiled import CORE_COMPILED, compiled_status
 from ..service.messages import EngineInfo, MemoryStatus
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def engine_info(
         budget=budget,
         backend=backend,
         page_size=page_size,
-        compiled=compiled_status() is None,
+        compiled=compiled_status(CORE_COMPILED) is None,
     )
 
 

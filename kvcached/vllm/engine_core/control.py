@@ -12,6 +12,7 @@ take one.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from ...engine.control import engine_info as core_engine_info
@@ -134,9 +135,13 @@ def engine_info(
     with_model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
     if with_model is not None:
         model = str(getattr(with_model, "served_model_name", None) or getattr(with_model, "model", "?"))
+    # Set by the plugin in vllm serve's API server for its engine cores (plugin.register).
+    port, api = os.environ.get("KVCACHED_SERVE_PORT"), os.environ.get("KVCACHED_SERVE_PID")
     return core_engine_info(
         engine=f"vLLM {vllm}",
         model=model,
+        port=int(port) if port and port.isdigit() else None,
+        api_pid=int(api) if api and api.isdigit() else None,
         socket=socket,
         policy=policy,
         budget=budget,
