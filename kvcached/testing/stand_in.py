@@ -1,18 +1,9 @@
 """The model stand-in of the real-vLLM harness: KV bytes that say which token wrote them.
 
 A freed-block copy is only visible as wrong bytes, so what the stand-in writes into a KV slot
-must be a function of everything a real model's KV depends on: the whole token prefix (a
-request that reuses another's prefix expects the same bytes, as a real model would produce),
-the KV group, the layer and the tensor-parallel rank. Sampling is a function of the prefix too,
-so a request recomputed after a preemption samples the same token again. The stand-in keeps
-each request's tokens as the model runner knows them: under async scheduling that includes
-tokens it sampled before the scheduler has processed the step's output.
-
-A state group (a Mamba / linear-attention group, vLLM's ``MambaSpec``) holds no tokens: a block
-holds the recurrent state after a prefix, so the stand-in writes, into the block of the step's
-last position (``cdiv(end, block_size) - 1``, where vLLM's "align" mode keeps the running state),
-bytes that name the whole prefix up to ``end``, over the state's real bytes (not the padding vLLM
-adds to reach the attention page, which the offloading worker does not copy either).
+must be a function of everything a real model's KV depends on (``ModelStandIn.kv_bytes``): the
+whole token prefix (a request that reuses another's prefix expects the same bytes, as a real
+model would produce), the KV group, the layer and the tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -38,6 +29,13 @@ class Row:
 
 
 class ModelStandIn:
+    """The stand-in for the model: what it writes and what it samples follow from the tokens.
+
+    NOTE: the stand-in keeps each request's tokens as the model runner knows them: under async
+    scheduling that includes tokens it sampled before the scheduler has processed the step's
+    output.
+    """
+
     def __init__(
         self,
         block_size: int,
@@ -139,7 +137,14 @@ class ModelStandIn:
 
     def forward(self, rows: Sequence[Row], views: Sequence[Sequence[torch.Tensor]], rank: int) -> None:
         """Write every computed token's bytes into its block; ``views[group][layer]`` is
-        (num_blocks, block bytes of one layer)."""
+        (num_blocks, block bytes of one layer).
+
+        NOTE: a state group (a Mamba / linear-attention group, vLLM's ``MambaSpec``) holds no
+        tokens: a block holds the recurrent state after a prefix. So the stand-in writes, into the
+        block of the step's last position (``cdiv(end, block_size) - 1``, where vLLM's "align" mode
+        keeps the running state), bytes that name the whole prefix up to ``end``. It writes them
+        over the state's real bytes, not the padding vLLM adds to reach the attention page, which
+        the offloading worker does not copy either."""
         bs = self.block_size
         for row in rows:
             for g, ids in enumerate(row.block_ids):
@@ -166,6 +171,10 @@ class ModelStandIn:
                     p = stop
 
     def sample(self, rows: Sequence[Row]) -> dict[str, list[int]]:
+        """The token each sampling row samples, by request.
+
+        NOTE: sampling is a function of the prefix too, so a request recomputed after a
+        preemption samples the same token again."""
         out: dict[str, list[int]] = {}
         for row in (r for r in rows if r.samples):
             tokens = self._tokens[row.req_id]

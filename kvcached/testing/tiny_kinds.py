@@ -2,14 +2,8 @@
 
 The PR validated five model kinds on a GPU (Qwen2.5 full attention, Qwen3.5 with Gated DeltaNet,
 DeepSeek-V2-Lite MLA, Gemma-4 full + sliding window, gpt-oss full + 128-token window); the served
-tests here need the same kinds in seconds on two CPU cores with no hub. Each kind is one of
-transformers' own config classes at a toy size, so that vLLM builds the real model class and the
-real KV cache groups for it (two groups for a sliding/full mix, one sliding group for Mistral,
-an MLA latent cache for DeepSeek-V2, Gated DeltaNet state groups beside attention for
-Qwen3-Next, Mamba2 states alone). The weights are seeded and wider than transformers' init so
-that different prompts give different greedy tokens (tests/serve/test_model_kinds.py checks it
-on each model): a witness that answers every prompt alike would hide a wrong KV block. The
-tokenizer is ``tiny_model``'s, so prompts tokenize the same for every kind.
+tests here need the same kinds in seconds on two CPU cores with no hub. ``KINDS`` has those kinds
+and a few more at a toy size, and ``build`` writes one.
 """
 
 from __future__ import annotations
@@ -29,6 +23,14 @@ WINDOW = 32  # tokens; well below the validation prompts' shared prefix, so bloc
 
 @dataclass(frozen=True)
 class Kind:
+    """One model kind: a transformers config class at a toy size, and what vLLM builds for it.
+
+    NOTE: each kind is one of transformers' own config classes at a toy size, so that vLLM builds
+    the real model class and the real KV cache groups for it. Those are two groups for a
+    sliding/full mix, one sliding group for Mistral, an MLA latent cache for DeepSeek-V2, Gated
+    DeltaNet state groups beside attention for Qwen3-Next, Mamba2 states alone.
+    """
+
     name: str
     model_type: str  # transformers' config class is found by it
     what: str  # what vLLM builds for it, in words
@@ -172,6 +174,10 @@ def _init(model: Any, std: float) -> None:
     wrong KV block changes nothing. Wider projections make attention (and the state updates)
     outweigh the token's own embedding; norms at their init keep activations in range, and
     Mamba's ``A_log``/``dt_bias``/``D`` at theirs keep its recurrence stable.
+
+    NOTE: the weights are seeded and wider than transformers' init so that different prompts give
+    different greedy tokens (tests/serve/test_model_kinds.py checks it on each model): a witness
+    that answers every prompt alike would hide a wrong KV block.
     """
     import torch
 
@@ -184,7 +190,9 @@ def _init(model: Any, std: float) -> None:
 
 
 def build(path: str | Path, kind: str, *, seed: int = 0, max_positions: int = 4096) -> Path:
-    """Write a random-weight model of ``kind`` and the shared tokenizer to ``path`` (idempotent)."""
+    """Write a random-weight model of ``kind`` and the shared tokenizer to ``path`` (idempotent).
+
+    NOTE: the tokenizer is ``tiny_model``'s, so prompts tokenize the same for every kind."""
     import torch
     import transformers
 

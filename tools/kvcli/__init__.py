@@ -1,14 +1,9 @@
 """What kvreplay, kvctl and kvsim promise alike: exit codes, one-line errors, ``--version``, units.
 
 An operator scripts these three tools together (``kvctl dump`` then ``kvreplay check``, a kvsim
-seed shrunk to a trace), so they must fail the same way: a usage error (an unknown option, a value
-out of range, options that do not go together) is one line on stderr and exit 2, as argparse's
-own convention and ``grep``'s; a run that could not do its job (an unreadable trace, no engine
-answering, a violation found by a check) is one line and exit 1; success is 0. An error kvcached
-raises on purpose (``KvcachedError``) or an ``OSError`` on a file the user named is a plain user
-error and is never called a bug; only an exception nobody anticipated says "internal error", with
-the environment variable that shows its traceback. Sizes print in their unit and counts agree
-with their nouns through the helpers here, so the three tools read alike.
+seed shrunk to a trace), so they must fail the same way (the exit codes below, ``Parser``,
+``run``). Sizes print in their unit and counts agree with their nouns through the helpers here,
+so the three tools read alike.
 """
 
 from __future__ import annotations
@@ -27,6 +22,10 @@ from kvcached.ledger.findings import plural
 from kvcached.settings import format_size
 from kvcached.version import KVCACHED_VERSION
 
+# A usage error (an unknown option, a value out of range, options that do not go together) is one
+# line on stderr and exit 2, as argparse's own convention and ``grep``'s. A run that could not do
+# its job (an unreadable trace, no engine answering, a violation found by a check) is one line and
+# exit 1; success is 0.
 OK: Final = 0
 FAILED: Final = 1  # the run could not do its job, or a check found what it looks for
 USAGE: Final = 2  # the command line itself is wrong
@@ -115,7 +114,13 @@ def one_line(exc: BaseException) -> str:
 
 
 def run(tool: str, body: Callable[[], int], *, debug_env: str, context: str = "") -> int:
-    """Runs ``body`` under the promise above and returns its exit code (for ``sys.exit``)."""
+    """Runs ``body`` under this package's promise (one line, the exit codes above) and returns its
+    exit code (for ``sys.exit``).
+
+    NOTE: an error kvcached raises on purpose (``KvcachedError``) or an ``OSError`` on a file the
+    user named is a plain user error and is never called a bug. Only an exception nobody
+    anticipated says "internal error", with the environment variable that shows its traceback
+    (``debug_env``)."""
     on = f" {context}" if context else ""
     try:
         return body()

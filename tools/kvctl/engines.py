@@ -1,15 +1,10 @@
 """Which kvcached engines this user runs here: found by their sockets, listed, watched, pruned.
 
-Every engine's ledger service listens on a Unix socket in one directory (``$XDG_RUNTIME_DIR/
-kvcached``); an engine killed with SIGKILL leaves its socket behind, and those pile up on a
-machine that restarts servers all day. So a socket counts as an engine only if it answers:
-``kvctl status`` on a machine with one live engine and three dead sockets talks to the live one,
-with none it says that no engine runs (and how many dead sockets ``kvctl list --prune`` would
-remove) instead of "connection refused". Pruning removes only what is certainly dead: a socket
-(``lstat``, never following a link) owned by this user in that directory, bound more than two
-seconds ago (an engine binds a moment before it listens), whose connect is refused; anything
-else there, a live socket, or one that merely timed out, stays. The service prunes the same way
-when it starts (``live.prune_dead_sockets``), so ``--prune`` is for what is left between starts.
+Every engine's ledger service listens on a Unix socket in one directory
+(``$XDG_RUNTIME_DIR/kvcached``); an engine killed with SIGKILL leaves its socket behind, and those
+pile up on a machine that restarts servers all day. So a socket counts as an engine only if it
+answers (``discover``, ``pick``), and ``kvctl list --prune`` removes only what is certainly dead
+(``prune``).
 """
 
 from __future__ import annotations
@@ -54,13 +49,23 @@ def discover(timeout: float = 2.0, folder: str | None = None) -> list[Found]:
 
 def prune(folder: str | None = None) -> list[str]:
     """Removes the dead sockets of the live view's directory (``live.is_dead_socket``: this
-    user's sockets, bound a while ago, whose connect is refused); returns those removed."""
+    user's sockets, bound a while ago, whose connect is refused); returns those removed.
+
+    NOTE: pruning removes only what is certainly dead: a socket (``lstat``, never following a
+    link) owned by this user in that directory, bound more than two seconds ago (an engine binds
+    a moment before it listens), whose connect is refused. Anything else there, a live socket, or
+    one that merely timed out, stays. The service prunes the same way when it starts
+    (``live.prune_dead_sockets``), so ``--prune`` is for what is left between starts."""
     return live.prune_dead_sockets(folder or live.default_socket_dir())
 
 
 def pick(path: str | None, timeout: float) -> str:
     """The socket a per-engine command talks to: ``path``, ``$KVCACHED_LEDGER_SOCKET``, else the
-    one engine of this user that answers."""
+    one engine of this user that answers.
+
+    NOTE: ``kvctl status`` on a machine with one live engine and three dead sockets talks to the
+    live one. With none it says that no engine runs (and how many dead sockets ``kvctl list
+    --prune`` would remove) instead of "connection refused"."""
     if path or os.environ.get(live.SOCKET_ENV):
         return live.find_socket(path)
     folder = live.default_socket_dir()

@@ -1,20 +1,9 @@
 """``kvreplay check``: replay a trace through the ledger and report every invariant violation.
 
 This is the command a maintainer runs on a user's journal, so it answers in the order a person
-reads: each violation as one line that names the file, the event index, the build, the page,
-the job and the request, followed by its witness chain (pin -> free -> unmap -> late copy),
-then a count by kind and a one-line summary. The replay takes the trace's recorded map/unmap
-decisions under its recorded policy by default, because the question is "what did this server
-do"; ``--derive`` asks instead what the most eager allocator would have done. ``--json`` emits
-the same findings as a deterministic document (sorted keys, file name without directories, no
-times or versions) because golden traces keep it beside them as their expected report. A
-malformed event sequence (a report for a job never built, a double free) is an I3 violation
-found by the ledger: it is reported like any other and exits 1, and the replay goes on, since
-an I1 after it is still worth seeing; a file that cannot be read exits 1 too, with nothing on
-stdout, and so does a trace with no event in it (nothing was checked: "clean" would be a claim
-about nothing). A trace that ends with jobs outstanding or a shrink unfinished is not a
-violation (a journal read while its server runs ends so) but it is what a crashed run leaves, so
-the report says so beside "clean" rather than let a crash read as a clean run (``unfinished``).
+reads (``render``). The replay takes the trace's recorded map/unmap decisions under its recorded
+policy by default, because the question is "what did this server do"; ``--derive`` asks instead
+what the most eager allocator would have done (``run_check``).
 """
 
 from __future__ import annotations
@@ -104,7 +93,11 @@ def run_check(
 def unfinished(lg: Ledger) -> dict[str, Any]:
     """What is still under way when the trace ends: ``outstanding_jobs`` (a count) with the
     ``oldest_job`` among those that pin a page, and ``shrink`` when more pages are mapped than
-    the last memory limit allows. Empty when nothing is: a run that stopped cleanly."""
+    the last memory limit allows. Empty when nothing is: a run that stopped cleanly.
+
+    NOTE: a trace that ends with jobs outstanding or a shrink unfinished is not a violation (a
+    journal read while its server runs ends so). But it is what a crashed run leaves, so the
+    report says so beside "clean" rather than let a crash read as a clean run."""
     out: dict[str, Any] = {}
     if n := lg.outstanding_jobs():
         out["outstanding_jobs"] = n
@@ -161,7 +154,11 @@ def report_head(path: str, lg: Ledger, derived: bool) -> dict[str, Any]:
 
 
 def report(result: CheckResult) -> dict[str, Any]:
-    """The machine-readable report: what ``check --json`` prints and golden files hold."""
+    """The machine-readable report: what ``check --json`` prints and golden files hold.
+
+    NOTE: it holds the same findings as ``render`` as a deterministic document (sorted keys, file
+    name without directories, no times or versions), because golden traces keep it beside them
+    as their expected report."""
     lg = result.ledger
     torn = result.torn_tail
     # Only for a trace of several files, so that the report of a one-file trace (every golden
@@ -208,6 +205,9 @@ def summary_line(lg: Ledger) -> str:
 
 
 def render(result: CheckResult, limit: int) -> str:
+    """The report for a person: each violation as one line that names the file, the event index,
+    the build, the page, the job and the request, followed by its witness chain (pin -> free ->
+    unmap -> late copy), then a count by kind and a one-line summary."""
     lg = result.ledger
     out = io.StringIO()
     how = "re-derived by an eager allocator" if result.derived else "as recorded"
@@ -238,6 +238,14 @@ def render(result: CheckResult, limit: int) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """``kvreplay check``: exit 1 when a violation was found, else 0.
+
+    NOTE: a malformed event sequence (a report for a job never built, a double free) is an I3
+    violation found by the ledger. It is reported like any other and exits 1, and the replay goes
+    on, since an I1 after it is still worth seeing. A file that cannot be read exits 1 too, with
+    nothing on stdout, and so does a trace with no event in it (nothing was checked: "clean"
+    would be a claim about nothing).
+    """
     result = run_check(
         args.trace,
         policy=args.policy,

@@ -1,15 +1,9 @@
 """``kvreplay compare``: the same trace's inputs under several policies, side by side.
 
 The recorded decisions answer "what did the server do"; this answers "what would each policy
-have done with the same engine behaviour". Decisions are therefore re-derived per policy by the
-most eager allocator (``simulate.derive``: map right before a block is handed out, unmap the
-moment the ledger allows), which is the worst case for the freed-block copy and the cheapest
-case for memory, so both columns are bounds, not guesses. All policies run in lockstep over one
-streamed pass of the file (each batch is fed to every ledger in turn), so a long trace is read
-once and memory stays bounded. The memory cost of safety is measured as page-builds: the number
-of mapped pages at the end of each build, summed over builds; the difference between two
-policies is the memory one held that the other had already given back, and the per-build
-maximum of that difference says how large the extra footprint got at worst.
+have done with the same engine behaviour". So the decisions are re-derived per policy by the most
+eager allocator (``PolicyRun.feed``), and the memory cost of safety is measured in page-builds
+(``PolicyRun``).
 """
 
 from __future__ import annotations
@@ -33,6 +27,14 @@ from .tracefile import Trace, header_json, json_name
 
 @dataclasses.dataclass
 class PolicyRun:
+    """One policy's replay, and what it held in memory.
+
+    NOTE: the memory cost of safety is measured as page-builds: the number of mapped pages at the
+    end of each build, summed over builds. The difference between two policies is the memory one
+    held that the other had already given back, and the per-build maximum of that difference says
+    how large the extra footprint got at worst.
+    """
+
     ledger: Ledger
     page_builds: int = 0
     peak_mapped: int = 0
@@ -41,6 +43,12 @@ class PolicyRun:
     samples: list[int] = dataclasses.field(default_factory=list)  # mapped pages per build, this batch
 
     def feed(self, batch: list[Event]) -> None:
+        """Apply one batch, its decisions re-derived under this run's policy.
+
+        NOTE: the decisions come from the most eager allocator (``simulate.derive``: map right
+        before a block is handed out, unmap the moment the ledger allows). That is the worst case
+        for the freed-block copy and the cheapest case for memory, so both columns are bounds, not
+        guesses."""
         lg = self.ledger
         samples: list[int] = []
         for ev in derive(lg, batch):
@@ -60,6 +68,10 @@ class CompareResult:
 
 
 def run_compare(path: str, policies: list[str], *, progress: bool = True) -> CompareResult:
+    """Replay ``path``'s inputs under each of ``policies``; the first is the baseline.
+
+    NOTE: all policies run in lockstep over one streamed pass of the file (each batch is fed to
+    every ledger in turn), so a long trace is read once and memory stays bounded."""
     with Trace(path, progress=progress) as trace:
         runs = [PolicyRun(Ledger(trace.header, Policy(p))) for p in dict.fromkeys(policies)]
         base = runs[0]

@@ -1,21 +1,10 @@
 """``kvreplay minimize``: shrink a trace with a violation to a small trace with the same kind of it.
 
 A user's journal holds millions of events; the bug needs a handful. The shrinking is delta
-debugging (ddmin) over *atoms* that can be removed without making the trace ill-formed: a block
-allocation together with its free (the per-block pieces of BlockAlloc and BlockFree events), a
-job together with all its reports, a build boundary (builds are renumbered afterwards so they
-stay consecutive), and each other event on its own; a RequestAdded stays exactly while some
-kept event names its request. Atoms are first removed a request at a time (its jobs, holds,
-lifecycle events and the block allocations its jobs copy), then one by one, then the block lists
-of the remaining jobs and holds are shrunk. The test of a candidate replays it and accepts it
-only if it shows the target kind *and no kind of violation the original prefix did not show*:
-the ledger's own accounting checks (I3: report of an unknown job, free of a free block, a build
-out of order) are thus the well-formedness test, with no second set of rules to keep in step.
-Decisions are re-derived under the trace's policy by the eager allocator at each test when that
-reproduces the target (the usual case, and it keeps map/unmap consistent with whatever inputs
-remain); otherwise the recorded decisions are kept and shrunk as atoms like the inputs. Every
-replay stops at the event that completes the target, and the trace is cut there, so the work
-after the first occurrence is never repeated.
+debugging (ddmin, ``_ddmin``) over *atoms* that can be removed without making the trace
+ill-formed (``_atomize``). A candidate is kept only if its replay still shows the target kind and
+nothing new (``_Shrinker``); ``minimize`` says in what order atoms go and how the map/unmap
+decisions are treated.
 """
 
 from __future__ import annotations
@@ -183,6 +172,14 @@ class _Atoms:
 
 
 def _atomize(events: Sequence[Event]) -> _Atoms:
+    """The atoms of ``events``, grouped by the request they belong to.
+
+    NOTE: an atom is a block allocation together with its free (the per-block pieces of
+    BlockAlloc and BlockFree events), a job together with all its reports, a build boundary
+    (builds are renumbered afterwards so they stay consecutive: ``_renumber``), or any other
+    event on its own. A RequestAdded stays exactly while some kept event names its request
+    (``_rebuild``).
+    """
     pieces: list[list[Piece]] = []
     owner: list[int | None] = []
     life: dict[tuple[int, int], int] = {}  # (pool, block) -> its latest allocation's atom
@@ -312,6 +309,14 @@ def _ddmin(items: list[int], test: Callable[[list[int]], bool]) -> list[int]:
 
 @dataclasses.dataclass
 class _Shrinker:
+    """The shrinking of one trace: the test of a candidate (``cut``) and the phases that use it.
+
+    NOTE: the test of a candidate replays it and accepts it only if it shows the target kind *and
+    no kind of violation the original prefix did not show* (``allowed``). The ledger's own
+    accounting checks (I3: report of an unknown job, free of a free block, a build out of order)
+    are thus the well-formedness test, with no second set of rules to keep in step.
+    """
+
     header: Header
     policy: Policy
     derived: bool
@@ -323,7 +328,10 @@ class _Shrinker:
     timed_out: bool = False
 
     def cut(self, events: list[Event]) -> int | None:
-        """The length of the shortest prefix of ``events`` that still shows the target."""
+        """The length of the shortest prefix of ``events`` that still shows the target.
+
+        NOTE: every replay stops at the event that completes the target, and the trace is cut
+        there, so the work after the first occurrence is never repeated."""
         if time.monotonic() > self.deadline:
             self.timed_out = True
             raise _Deadline
@@ -451,6 +459,17 @@ def minimize(
     decisions: str = "auto",
     seconds: float = 60.0,
 ) -> MinimizeResult:
+    """Shrink the trace at ``path`` to one that still shows the target, and write it to ``out``.
+
+    NOTE: atoms are first removed a request at a time (its jobs, holds, lifecycle events and the
+    block allocations its jobs copy), then one by one, then the block lists of the remaining jobs
+    and holds are shrunk.
+
+    NOTE: decisions are re-derived under the trace's policy by the eager allocator at each test
+    when that reproduces the target (the usual case, and it keeps map/unmap consistent with
+    whatever inputs remain). Otherwise the recorded decisions are kept and shrunk as atoms like
+    the inputs.
+    """
     t0 = time.monotonic()
     header, events, recorded, specs, early = _read_prefix(path, only, policy)
     pol = Policy(policy) if policy else header.policy

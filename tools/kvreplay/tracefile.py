@@ -1,15 +1,9 @@
 """Opening traces and snapshots, and the replay loop that every kvreplay subcommand shares.
 
-Every subcommand reads a journal the same way, so the rules for bad input live here once: the
-journal reader's errors (which already name file and byte offset) pass through untouched, a
-torn last frame becomes one warning line on stderr and the events before it are used, and a
-snapshot or header that cannot be trusted becomes one line naming the file. A journal the
-service rotated is one trace whichever of its segments is named: the reader and the snapshot
-reader and writer are the ledger core's (``kvcached.ledger.segments``), the ones the service
-uses, so kvreplay reads exactly what the service writes. The loop streams the trace frame by
-frame, so memory is bounded by one frame plus the ledger, whatever the length of the trace; a
-progress bar is drawn only when stderr is a terminal, and only once per frame, so that it costs
-nothing per event.
+Every subcommand reads a journal the same way, so the rules for bad input live here once
+(``Trace``). The journal reader and the snapshot reader and writer are the ledger core's
+(``kvcached.ledger.segments``), the ones the service uses, so kvreplay reads exactly what the
+service writes, a rotated journal included.
 """
 
 from __future__ import annotations
@@ -76,6 +70,11 @@ class Trace:
     A journal the service rotated (``P``, ``P.1``, ...) is one trace, read in order from ``P``
     whichever of its segments is named (``kvcached.ledger.segments.RotatedJournal``);
     :meth:`segments_note` says which files exist and which were read.
+
+    NOTE: the rules for bad input: the journal reader's errors (which already name file and byte
+    offset) pass through untouched, and a torn last frame becomes one warning line on stderr and
+    the events before it are used (``batches``). A snapshot or header that cannot be trusted
+    becomes one line naming the file (``start_ledger``).
     """
 
     def __init__(self, path: str, *, progress: bool = True, note: bool = True) -> None:
@@ -104,6 +103,10 @@ class Trace:
         Warns about a torn tail once the stream ends; a damaged frame raises ``JournalError``.
         ``require_events``: a journal that holds no complete event (only its header, or a first
         frame cut off) raises ``ReplayError`` saying nothing was checked, instead of the warning.
+
+        NOTE: the loop streams the trace frame by frame, so memory is bounded by one frame plus the
+        ledger, whatever the length of the trace. A progress bar is drawn only when stderr is a
+        terminal, and only once per frame, so that it costs nothing per event.
         """
         j = self.journal
         size = j.size

@@ -1,16 +1,9 @@
 """``kvsim``: run, reproduce and shrink seeded simulations of vLLM + kvcached.
 
-``kvsim run --seeds 1-500 [--jobs N] [--json]`` runs each seed under every variant (a line per
-seed) and ends with the counts per check and variant, how often ``legacy`` trips each check (a
-check that never does is suspect) and what the campaign covered. ``kvsim repro SEED [--variant V]``
-prints the case and every failing check with its step and block. ``kvsim shrink SEED -o DIR``
-reduces a failing seed and writes its journal, expected report and case (see ``shrink``).
-
-A seed repeats exactly: the case is drawn from the seed alone, nothing reads the clock, and the
-hash seed is pinned (the command re-executes itself with ``PYTHONHASHSEED=0`` if it is not, since
-vLLM hands some ids over in sets of strings). Exit codes are the three tools' (``kvcli``): 2 a
-bad argument (one line), 1 a shipped variant (``ledger``) fails a seed, or the run cannot be done
-(no vLLM here, nothing to shrink), 0 otherwise.
+``kvsim run`` runs seeds under every variant and counts what fails (``cmd_run``), ``kvsim repro``
+shows one seed's case and failing checks (``cmd_repro``), and ``kvsim shrink`` reduces a failing
+seed to a test case (``cmd_shrink``). A seed repeats exactly (``_pin_hash_seed``). Exit codes
+are the three tools' (``kvcli``; ``main``).
 """
 
 from __future__ import annotations
@@ -102,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pin_hash_seed(argv: Sequence[str]) -> None:
+    """Re-execute this command with ``PYTHONHASHSEED=0`` unless the hash seed is pinned already.
+
+    NOTE: a seed repeats exactly: the case is drawn from the seed alone, nothing reads the clock,
+    and the hash seed is pinned, since vLLM hands some ids over in sets of strings."""
     if os.environ.get("PYTHONHASHSEED") != "0":
         env = dict(os.environ, PYTHONHASHSEED="0")
         os.execve(sys.executable, [sys.executable, "-m", "kvsim.cli", *argv], env)
@@ -204,6 +201,11 @@ def cmd_run_sglang(args: argparse.Namespace, variants: tuple[str, ...]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``kvsim run --seeds 1-500 [--jobs N] [--json]``.
+
+    NOTE: it runs each seed under every variant (a line per seed) and ends with the counts per
+    check and variant, how often ``legacy`` trips each check (a check that never does is suspect)
+    and what the campaign covered."""
     import msgspec
 
     if args.engine == "sglang":
@@ -249,6 +251,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
+    """``kvsim repro SEED [--variant V]``: the case and every failing check with its step and block."""
     import msgspec
 
     from kvsim.on_vllm.draw import draw
@@ -272,6 +275,8 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
 
 def cmd_shrink(args: argparse.Namespace) -> int:
+    """``kvsim shrink SEED -o DIR``: reduce a failing seed and write its journal, expected report
+    and case (see ``kvsim.on_vllm.shrink.write_case``)."""
     from kvsim.on_vllm.draw import draw
     from kvsim.on_vllm.execute import run_case
     from kvsim.on_vllm.shrink import shrink, write_case
@@ -317,6 +322,11 @@ def cmd_shrink(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``kvsim`` command; returns its exit code.
+
+    NOTE: exit codes are the three tools' (``kvcli``): 2 a bad argument (one line), 1 a shipped
+    variant (``ledger``) fails a seed, or the run cannot be done (no vLLM here, nothing to
+    shrink), 0 otherwise."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)

@@ -1,14 +1,8 @@
 """HiCache's copy engine on a CPU: real copies between real buffers, finished when a test says so.
 
-On a GPU, SGLang's ``L2TransferEngine`` runs its copies on a side stream and records a finish
-event after them; the copy reads the device slots some time later, and SGLang learns it is done
-from ``event.query()`` or ``event.synchronize()``. On a CPU, SGLang has neither: its copy
-kernels (``sgl_kernel.kvcacheio.transfer_kv_direct``, imported by ``mem_cache/pool_host/mha.py``
-only under CUDA) are missing, and ``torch.cpu.Event`` is done at once. ``DeferredCopies`` stands
-in for both, the way a stream would: a copy is queued with its indices and copies the bytes when
-it runs, reading the source *then*; an event recorded after it is done once the copies before
-it have run. So a copy whose source slots were unmapped meanwhile copies zeros, as a GPU copy
-of a freed page reads whatever is there, and the test sees wrong bytes rather than a flag.
+On a CPU, SGLang has neither the copy kernels nor the finish events its GPU copy engine relies
+on. ``DeferredCopies`` stands in for both, the way a stream would, so that a copy of slots
+unmapped meanwhile shows as wrong bytes, as on a GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +38,21 @@ class DeferredEvent:
 
 
 class DeferredCopies:
-    """The copy stand-in: ``transfer_kv_direct`` queues, ``run`` copies (see the module docstring)."""
+    """The copy stand-in: ``transfer_kv_direct`` queues, ``run`` copies.
+
+    NOTE: on a GPU, SGLang's ``L2TransferEngine`` runs its copies on a side stream and records a
+    finish event after them; the copy reads the device slots some time later, and SGLang learns
+    it is done from ``event.query()`` or ``event.synchronize()``. On a CPU, SGLang has neither:
+    its copy kernels (``sgl_kernel.kvcacheio.transfer_kv_direct``, imported by
+    ``mem_cache/pool_host/mha.py`` only under CUDA) are missing, and ``torch.cpu.Event`` is done
+    at once.
+
+    NOTE: this class stands in for both, the way a stream would: a copy is queued with its
+    indices and copies the bytes when it runs, reading the source *then*. An event recorded after
+    it is done once the copies before it have run (``DeferredEvent``). So a copy whose source
+    slots were unmapped meanwhile copies zeros, as a GPU copy of a freed page reads whatever is
+    there, and the test sees wrong bytes rather than a flag.
+    """
 
     def __init__(self) -> None:
         self._queue: list[Callable[[], None]] = []

@@ -3,23 +3,8 @@
 kvcached PR #598's GPU CI case ``elastic-vllm-qwen05b+sglang-qwen35_4b`` (the seed, "Elastic
 tests") at tiny scale on this CPU: server A is ``vllm serve`` (vLLM's CPU build) and server B is
 SGLang's ``launch_server`` (``SglangServer``), both with kvcached, both naming one budget
-(``KVCACHED_BUDGET``) of 96 MiB, less than their two 64 MiB KV caches. A starts first, then B.
-The seed's phases, with its load sized down (distinct prompts of about 1,000 tokens, 4 greedy
-output tokens, 16 MiB of KV each; five fill a cache):
-
-1. A gets its load; 2. A's prefix cache is reset (vLLM's ``/reset_prefix_cache``); 3. B gets its
-load and its prefix cache is reset (SGLang's ``/flush_cache``); 4. both get their loads at the
-same time (two requests at a time each: 128 MiB wanted of a 96 MiB budget).
-
-Three greedy probes of about 32 tokens run on each server before and after. The seed's checks
-(``a_filled_memory``: A's share grows by more than half of the free budget;
-``a_released_memory``: after its reset A keeps less than half of what it grew;
-``b_reused_a_memory``: B's share grows past what was free at A's peak; ``contended_requests_ok``;
-probes unchanged; both alive; both shut down clean) are the test's
-(``tests/serve/test_mixed_budget_e2e.py``), on what ``run_mixed`` records, and each server's
-journal must replay clean (``kvreplay check``). A sampler reads the budget every 0.2 s
-throughout, and A's worker's resident KV bytes (SGLang's scheduler keeps its pool in anonymous
-memory, which ``/proc`` does not name: its share in the budget is its account).
+(``KVCACHED_BUDGET``) of 96 MiB, less than their two 64 MiB KV caches. ``run_mixed`` runs the
+seed's phases; ``tests/serve/test_mixed_budget_e2e.py`` makes the seed's checks (``MixedRun``).
 """
 
 from __future__ import annotations
@@ -79,7 +64,15 @@ def configs(model: str, runtime: Path, budget: str, dump_dir: Path) -> dict[str,
 
 @dataclass
 class MixedRun:
-    """What the scenario saw: completions and probes per server, budget samples at each mark."""
+    """What the scenario saw: completions and probes per server, budget samples at each mark.
+
+    NOTE: the seed's checks are the test's (``tests/serve/test_mixed_budget_e2e.py``), on what
+    ``run_mixed`` records. ``a_filled_memory``: A's share grows by more than half of the free
+    budget. ``a_released_memory``: after its reset A keeps less than half of what it grew.
+    ``b_reused_a_memory``: B's share grows past what was free at A's peak. Then
+    ``contended_requests_ok``, probes unchanged, both alive, both shut down clean. Each server's
+    journal must replay clean (``kvreplay check``).
+    """
 
     completions: dict[str, list[Completion]] = field(default_factory=dict)
     probes: dict[str, list[Completion]] = field(default_factory=dict)  # "A before", "B after", ...
@@ -111,7 +104,19 @@ def run_mixed(
     python: str | Path = DEFAULT_PYTHON,
     say: Callable[[str], None] = print,
 ) -> MixedRun:
-    """Start A then B, run the four phases, stop them; never raises for what it observes."""
+    """Start A then B, run the four phases, stop them; never raises for what it observes.
+
+    NOTE: A starts first, then B. The seed's phases, with its load sized down (distinct prompts
+    of about 1,000 tokens, 4 greedy output tokens, 16 MiB of KV each; five fill a cache):
+
+    1. A gets its load.
+    2. A's prefix cache is reset (vLLM's ``/reset_prefix_cache``).
+    3. B gets its load and its prefix cache is reset (SGLang's ``/flush_cache``).
+    4. Both get their loads at the same time (two requests at a time each: 128 MiB wanted of a
+       96 MiB budget).
+
+    Three greedy probes of about 32 tokens run on each server before and after.
+    """
     run = MixedRun()
     cfg = configs(model, runtime, budget, out)
     a = Server(cfg["A"], out / "mixed-A-vllm.log")
@@ -129,6 +134,9 @@ def run_mixed(
             f"budget {budget} of {BUDGET_BYTES // MiB} MiB, {KV_BYTES // MiB} MiB of KV each"
         )
         pids = _engine_pids(runtime, a)
+        # The sampler reads the budget every 0.2 s throughout, and A's worker's resident KV bytes
+        # only: SGLang's scheduler keeps its pool in anonymous memory, which /proc does not name,
+        # so B's share in the budget is its account.
         sampler = elastic.Sampler(budget, str(runtime / "kvcached"), {"A": a.worker_pid()})
         sampler.engines = {p: n for n, p in pids.items()}
         sampler.start()

@@ -1,16 +1,9 @@
 """One SGLang engine serving the validation load, for the end-to-end tests (tests only).
 
-``python -m kvcached.sglang.testing.serve MODEL`` starts SGLang's offline ``Engine`` on the
-tiny llama (CPU, ``torch_native`` attention, page_size 1, HiCache on: write-through, direct
-copies, layer-first host pool) with a device pool small enough that serving three prompts evicts
-the first to the host tier, sends the load, and prints one JSON line per request: its output
-tokens and where its cached tokens came from (``device``, ``host``). With ``ENABLE_KVCACHED=1``
-in the environment, kvcached's plugin puts the pool on its pages. The load is kvcached PR #598's
-validation load at tiny scale: prompts of 60 tokens, 8 greedy tokens each, A B C A B A (A and B
-come back from the host), then a flush right after a request (its backup may still be
-acknowledged later) and A again. ``--hold FILE`` keeps the engine up after the load until FILE
-exists, so that a test can steer it with ``kvctl``; ``--page-size N`` serves with SGLang pages of N
-slots (its paged allocator) and a pool of as many slots.
+``python -m kvcached.sglang.testing.serve MODEL`` starts SGLang's offline ``Engine`` on the tiny
+llama, sends the load, and prints one JSON line per request: its output tokens and where its
+cached tokens came from (``device``, ``host``). With ``ENABLE_KVCACHED=1`` in the environment,
+kvcached's plugin puts the pool on its pages.
 """
 
 from __future__ import annotations
@@ -40,6 +33,9 @@ def tiny_mla(out: str | Path) -> Path:
     return path
 
 
+# The load is kvcached PR #598's validation load at tiny scale: prompts of 60 tokens, 8 greedy
+# tokens each, A B C A B A (A and B come back from the host), then a flush right after a request
+# (its backup may still be acknowledged later) and A again.
 WORDS = ("river", "stone", "cloud", "paper", "signal", "window", "garden", "engine", "silver", "harbor")
 ORDER = ("A", "B", "C", "A", "B", "A")
 
@@ -50,6 +46,14 @@ def prompt(name: str, n: int = 60) -> str:
 
 
 def main() -> None:
+    """Serve the load and print a JSON line per request.
+
+    NOTE: the engine runs on the CPU with ``torch_native`` attention, page_size 1 and HiCache on
+    (write-through, direct copies, layer-first host pool). Its device pool is small enough that
+    serving three prompts evicts the first to the host tier. ``--hold FILE`` keeps the engine up
+    after the load until FILE exists, so that a test can steer it with ``kvctl``. ``--page-size N``
+    serves with SGLang pages of N slots (its paged allocator) and a pool of as many slots.
+    """
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--hold", metavar="FILE")

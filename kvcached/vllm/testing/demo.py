@@ -1,22 +1,10 @@
 """The main job: `vllm serve` with kvcached and CPU offloading, against native vLLM, on this machine.
 
-Two parts, on vLLM's CPU build and a tiny llama made on the spot.
-
-**Correct.** vLLM is started natively and with ``ENABLE_KVCACHED=1`` (the ``ledger`` policy,
-kvcached PR #598's reproduction settings, a journal), with the same offloading flags, and each
-gets kvcached PR #598's validation load: prompts sharing a long prefix, half with one output
-token, twice, with a prefix-cache reset between, so that the second pass loads its prefix back
-from the CPU tier. A table says, per request, whether kvcached's greedy tokens and top-5 logprobs
-equal native's and where the prefix came from; then each worker's KV memory.
-
-**Elastic.** Two kvcached engines name one memory budget smaller than their two KV caches
-(``kvcached.vllm.testing.elastic``): the first is loaded, then limited while idle (``kvctl limit``),
-and gives its pages back; the second is loaded and grows into them; the first serves again;
-then the first fills the budget and is killed with SIGKILL, and the second maps its share. No
-request may fail and every completion must equal the native server's. A timeline of each
-worker's resident KV bytes beside the budget and two native engines is printed and drawn
-(``elastic.png``). Last, the correct part's journal is replayed with kvreplay (clean) beside the
-golden journal of the same load under ``legacy`` (the freed-block copy).
+Two parts, on vLLM's CPU build and a tiny llama made on the spot. **Correct** (``correct_part``):
+one validation load on native vLLM and on vLLM with kvcached, compared request by request.
+**Elastic** (``elastic_part``): two kvcached engines name one memory budget smaller than their two
+KV caches (``kvcached.vllm.testing.elastic``). Last, the correct part's journal is replayed with
+kvreplay (``main``).
 """
 
 from __future__ import annotations
@@ -70,7 +58,15 @@ def _passes(server: Server) -> list[Completion]:
 
 
 def correct_part(native: Server, ours: Server, console: Console) -> tuple[int, int]:
-    """The validation load on both; the table and the KV memory lines; (identical, total)."""
+    """The validation load on both; the table and the KV memory lines; (identical, total).
+
+    NOTE: vLLM is started natively and with ``ENABLE_KVCACHED=1`` (the ``ledger`` policy, kvcached
+    PR #598's reproduction settings, a journal), with the same offloading flags. Each gets kvcached
+    PR #598's validation load: prompts sharing a long prefix, half with one output token, twice,
+    with a prefix-cache reset between, so that the second pass loads its prefix back from the CPU
+    tier. A table says, per request, whether kvcached's greedy tokens and top-5 logprobs equal
+    native's and where the prefix came from; then each worker's KV memory.
+    """
     with console.status(f"two passes of {len(validation_prompts())} prompts each, prefix cache reset between"):
         theirs, mine = _passes(native), _passes(ours)
     time.sleep(0.5)
@@ -112,7 +108,14 @@ def correct_part(native: Server, ours: Server, console: Console) -> tuple[int, i
 
 
 def elastic_part(model: str, out: Path, native: Server, console: Console) -> bool:
-    """Two engines on one budget (``kvcached.vllm.testing.elastic``), against ``native``."""
+    """Two engines on one budget (``kvcached.vllm.testing.elastic``), against ``native``.
+
+    NOTE: the first is loaded, then limited while idle (``kvctl limit``), and gives its pages
+    back; the second is loaded and grows into them; the first serves again. Then the first fills
+    the budget and is killed with SIGKILL, and the second maps its share. No request may fail and
+    every completion must equal the native server's. A timeline of each worker's resident KV
+    bytes beside the budget and two native engines is printed and drawn (``elastic.png``).
+    """
     console.rule("two kvcached engines, one budget")
     console.print(
         f"A and B: {elastic.KV_BYTES // MiB} MiB of KV each as vLLM sizes it, one budget of "
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             ok_elastic = elastic_part(model, out, native, console)
     finally:
         native.stop()
+    # Last, the correct part's journal is replayed with kvreplay (clean), beside the golden
+    # journal of the same load under ``legacy`` (the freed-block copy).
     root = Path(__file__).resolve().parents[2]
     console.rule("the journal of the correct part, replayed (ledger)")
     rc_ok = subprocess.run([sys.executable, "-m", "kvreplay.cli", "check", "--no-progress", str(journal)]).returncode

@@ -3,24 +3,9 @@
 kvcached exists so that several models share one machine's KV memory: what an idle engine gives
 back, a busy one maps. This is that, end to end, on vLLM's CPU build: two ``vllm serve`` engines
 (A and B, the same tiny model) name one budget (``KVCACHED_BUDGET``) smaller than the sum of
-their KV caches, and an operator steers them with ``kvctl`` (a separate process, as one runs it):
-
-1. A is loaded until it holds most of the budget (its prefix cache keeps the pages);
-2. idle, A is limited (``kvctl limit A 8M --force``, below its floor on purpose): it evicts its
-   cached blocks page by page and gives the pages back once its engine core takes a step, for
-   their grace pins to end (the plugin's own wake-up is seen to reach it or not; else a utility
-   call, ``GET /is_sleeping``, does);
-3. B is loaded, and grows into what A gave back, far beyond what was left before;
-4. A's limit is lifted (``none``) and A serves again within what is left;
-5. B is limited, A is loaded until the budget is full, B's limit is lifted, and A is killed
-   with SIGKILL while it holds its pages: B, loaded again, needs A's share, and maps it once a
-   look at the budget finds A dead (``kvcached.budget``: no daemon; the dead share is dropped).
-
-A sampler thread reads the budget and each worker's resident KV bytes (``kv_resident_bytes``:
-its mappings of kvcached's KV files) every 0.2 s, so that a check that the budget was never
-exceeded looks at the whole run, not at its end. Every completion is kept for comparison with
-native vLLM's on the same prompts (greedy tokens, top-5 logprobs). ``tests/serve/
-test_budget_e2e.py`` checks it; ``kvcached.vllm.testing.demo`` (the main job) prints it and plots it.
+their KV caches, and an operator steers them with ``kvctl`` through five phases (``run_elastic``).
+``tests/serve/test_budget_e2e.py`` checks it; ``kvcached.vllm.testing.demo`` (the main job) prints
+it and plots it.
 """
 
 from __future__ import annotations
@@ -128,7 +113,12 @@ class Sample:
 
 
 class Sampler(threading.Thread):
-    """Reads the budget and each worker's KV residency every ``period`` seconds."""
+    """Reads the budget and each worker's KV residency every ``period`` seconds.
+
+    NOTE: it reads the budget and each worker's resident KV bytes (``kv_resident_bytes``: its
+    mappings of kvcached's KV files) every 0.2 s, so that a check that the budget was never
+    exceeded looks at the whole run, not at its end.
+    """
 
     def __init__(self, budget: str, directory: str, workers: dict[str, int], period: float = 0.2) -> None:
         super().__init__(daemon=True, name="kvcached-elastic-sampler")
@@ -186,7 +176,11 @@ class Sampler(threading.Thread):
 
 @dataclass
 class ElasticRun:
-    """What the scenario saw: completions per phase, kvctl's answers, the timeline, figures."""
+    """What the scenario saw: completions per phase, kvctl's answers, the timeline, figures.
+
+    NOTE: every completion is kept for comparison with native vLLM's on the same prompts (greedy
+    tokens, top-5 logprobs: ``compare``).
+    """
 
     completions: dict[str, list[Completion]] = field(default_factory=dict)
     seen: dict[str, Any] = field(default_factory=dict)
@@ -239,7 +233,21 @@ def run_elastic(
     cpu_tier: int = CPU_TIER,
     say: Callable[[str], None] = print,
 ) -> ElasticRun:
-    """Start A and B, run the five phases, stop them; never raises for what it observes."""
+    """Start A and B, run the five phases, stop them; never raises for what it observes.
+
+    NOTE: the phases, with the operator's ``kvctl`` a separate process, as one runs it:
+
+    1. A is loaded until it holds most of the budget (its prefix cache keeps the pages).
+    2. Idle, A is limited (``kvctl limit A 8M --force``, below its floor on purpose). It evicts its
+       cached blocks page by page and gives the pages back once its engine core takes a step, for
+       their grace pins to end. The plugin's own wake-up is seen to reach it or not; else a utility
+       call, ``GET /is_sleeping``, does (``limit_idle``).
+    3. B is loaded, and grows into what A gave back, far beyond what was left before.
+    4. A's limit is lifted (``none``) and A serves again within what is left.
+    5. B is limited, A is loaded until the budget is full, B's limit is lifted, and A is killed
+       with SIGKILL while it holds its pages. B, loaded again, needs A's share, and maps it once a
+       look at the budget finds A dead (``kvcached.budget``: no daemon; the dead share is dropped).
+    """
     run = ElasticRun()
     cfg = {
         n: server_config(model, kvcached=True, runtime=runtime, budget=budget, dump_dir=out, cpu_tier=cpu_tier)

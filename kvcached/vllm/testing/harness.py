@@ -2,20 +2,9 @@
 
 The freed-block copy bug only shows as wrong *bytes*: a store submitted after its request freed
 its blocks reads whatever the allocator left there, and the later load restores that. So this
-harness runs vLLM's own ``Scheduler`` (with its scheduler-role ``OffloadingConnector``) and one
-worker-role ``OffloadingConnector`` per tensor-parallel rank, each over its own KV memory and
-``KvcachedCPUOffloadingSpec``'s byte-copying worker, in the engine's order for one synchronous
-step (schedule, which builds the connector metadata; per worker: handle_preemptions, bind,
-forward, start_load_kv, wait_for_save, get_finished, build_connector_worker_meta, clear; vLLM's
-``KVOutputAggregator``; ``update_from_output``), or, with async scheduling, in the order of
-the engine core's batch queue (vLLM's ``AsyncScheduler``; step N+1 is scheduled before step N's
-output is processed). A model stand-in (``stand_in.py``) writes, for every token the step
-computes, bytes that identify the token's prefix, KV group, layer and TP rank; each load is
-checked byte for byte at the moment its copy runs. The KV memory comes from a provider
-callable, so kvcached can serve it from elastic pages, and ``on_scheduler_built`` lets kvcached
-install its bridge before the first request. The KV cache is that of a model kind (``kv_specs``:
-full attention, Gemma3's and gpt-oss's windows, Mistral's sliding layers, MLA, Qwen3-Next's Gated
-DeltaNet state groups), grouped and laid out by vLLM's own planner.
+harness runs vLLM's own ``Scheduler`` and ``OffloadingConnector`` in the engine's order
+(``Harness.step``), a model stand-in writes bytes that identify each token, and each load is
+checked byte for byte at the moment its copy runs (``Harness._on_copy``).
 """
 
 from __future__ import annotations
@@ -109,6 +98,16 @@ class Harness:
     Construction order (the engine's): per rank, ``kv_memory(num_blocks, block_bytes)`` then that
     rank's worker connector registers views of it; then the Scheduler (whose constructor builds the
     scheduler-role connector); then ``on_scheduler_built(scheduler)``.
+
+    NOTE: it runs vLLM's own ``Scheduler`` (with its scheduler-role ``OffloadingConnector``) and
+    one worker-role ``OffloadingConnector`` per tensor-parallel rank, each over its own KV memory
+    and ``KvcachedCPUOffloadingSpec``'s byte-copying worker. The KV memory comes from a provider
+    callable, so kvcached can serve it from elastic pages, and ``on_scheduler_built`` lets
+    kvcached install its bridge before the first request.
+
+    NOTE: the KV cache is that of a model kind (``kv_specs``: full attention, Gemma3's and
+    gpt-oss's windows, Mistral's sliding layers, MLA, Qwen3-Next's Gated DeltaNet state groups),
+    grouped and laid out by vLLM's own planner.
     """
 
     def __init__(
@@ -362,7 +361,14 @@ class Harness:
         the engine allows (after update N-1, after N+1 was scheduled), where a copy submitted in
         step N may run after the frees of N-1, or with ``worker_at_schedule`` right after its
         schedule. Returns the step it scheduled, or None when the call only finished an earlier
-        step."""
+        step.
+
+        NOTE: one synchronous step is, in the engine's order: schedule (which builds the connector
+        metadata); per worker (``_run_worker``): handle_preemptions, bind, forward, start_load_kv,
+        wait_for_save, get_finished, build_connector_worker_meta, clear; vLLM's
+        ``KVOutputAggregator``; ``update_from_output``. With async scheduling the order is that of
+        the engine core's batch queue (vLLM's ``AsyncScheduler``): step N+1 is scheduled before
+        step N's output is processed."""
         assert len(self._in_flight) < self._queue_size
         record: StepRecord | None = None
         if self.scheduler.has_requests():
@@ -526,6 +532,11 @@ class Harness:
         return tuple(b for b in block_ids if getattr(blocks[b], "ref_cnt", 1) == 0)
 
     def _on_copy(self, rank: int, plan: TransferPlan) -> None:
+        """Each copy as it runs: a store of a freed block is noted, a load is checked byte for byte.
+
+        NOTE: the model stand-in (``stand_in.py``) writes, for every token the step computes,
+        bytes that identify the token's prefix, KV group, layer and TP rank; each load is checked
+        against them at the moment its copy runs."""
         req_id = self._job_req.get(plan.job_id, "?")
         if plan.is_store:
             if free := self._free_in_pool([int(b) for b in plan.device_spec.block_ids]):

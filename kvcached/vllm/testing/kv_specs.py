@@ -1,22 +1,9 @@
 """The model kinds the scheduler harness builds, as vLLM 0.33 would lay out their KV cache.
 
-vLLM serves more than one full-attention group: Gemma3 alternates sliding-window and full
-layers (5:1), gpt-oss alternates full and 128-token-window layers, Mistral has sliding layers
-only, DeepSeek-V2 stores one MLA latent vector per token (576 bytes x dtype: a block whose size
-is no power of two), and Qwen3-Next puts Gated DeltaNet state groups (``MambaSpec``) beside full
-attention. This module turns a kind into per-layer ``KVCacheSpec``s and lets vLLM's own planner
-make the rest: ``get_kv_cache_groups`` groups the layers (one group per layer of the repeating
-pattern, so Gemma3's 5:1 is six groups) and ``get_kv_cache_config_from_groups`` lays them out
-block-outermost (``BLHNC``, kvcached's contiguous layout: a block is one row holding a page per
-layer slot, and the groups overlay the same slots). For the hybrid kind the attention block size
-and the Mamba page padding are those of vLLM's ``Platform._align_hybrid_block_size`` (the
-attention page must hold a whole state; the state page is padded to it), and the state shapes
-come from vLLM's ``MambaStateShapeCalculator``. What vLLM 0.33 refuses is refused here the same
-way, by vLLM: ``mamba_cache_mode`` is ``Literal["align", "none"]`` in ``CacheConfig`` (there is
-no "all"), and ``MambaManager`` asserts "Mamba prefix caching requires mamba_cache_mode='align'"
-when prefix caching is on, which the harness always turns on (see docs/kvsim.md; vLLM's CPU
-build 0.32.0, which the suite also runs on, has no such assert). The planner functions are the
-same in 0.32.0, in another module (``_planner``).
+vLLM serves more than one full-attention group: sliding windows, MLA latents and Gated DeltaNet
+states too (``layer_specs``). This module turns a kind into per-layer ``KVCacheSpec``s and lets
+vLLM's own planner make the rest (``plan_kv_cache``), so the harness's KV cache is the one vLLM
+would plan, and what vLLM 0.33 refuses is refused here the same way, by vLLM.
 """
 
 from __future__ import annotations
@@ -91,7 +78,12 @@ def _gdn_spec(tp: int, block_size: int, mode: str, page_padded: int | None) -> M
 
 
 def kind_block_size(kind: str, tp: int, block_size: int, num_kv_heads: int, head_size: int) -> int:
-    """Tokens per block of ``kind``: the configured size, or the hybrid alignment's."""
+    """Tokens per block of ``kind``: the configured size, or the hybrid alignment's.
+
+    NOTE: for the hybrid kind the attention block size and the Mamba page padding are those of
+    vLLM's ``Platform._align_hybrid_block_size`` (the attention page must hold a whole state; the
+    state page is padded to it), and the state shapes come from vLLM's
+    ``MambaStateShapeCalculator`` (``_gdn_spec``)."""
     if kind != "qwen3-next":
         return block_size
     per_token = FullAttentionSpec(block_size=1, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float16)
@@ -111,7 +103,18 @@ def layer_specs(
     mamba_cache_mode: str,
 ) -> dict[str, KVCacheSpec]:
     """Each layer's spec, in model order (vLLM groups layers by spec, so the order only names
-    them). ``num_layers`` is layers per group, i.e. repeats of the kind's layer pattern."""
+    them). ``num_layers`` is layers per group, i.e. repeats of the kind's layer pattern.
+
+    NOTE: Gemma3 alternates sliding-window and full layers (5:1), gpt-oss alternates full and
+    128-token-window layers, Mistral has sliding layers only, DeepSeek-V2 stores one MLA latent
+    vector per token (576 bytes x dtype: a block whose size is no power of two), and Qwen3-Next
+    puts Gated DeltaNet state groups (``MambaSpec``) beside full attention.
+
+    NOTE: what vLLM 0.33 refuses is refused here the same way, by vLLM. ``mamba_cache_mode`` is
+    ``Literal["align", "none"]`` in ``CacheConfig`` (there is no "all"). ``MambaManager`` asserts
+    "Mamba prefix caching requires mamba_cache_mode='align'" when prefix caching is on, which the
+    harness always turns on (see docs/kvsim.md; vLLM's CPU build 0.32.0, which the suite also
+    runs on, has no such assert)."""
     attn: dict[str, Any] = {
         "block_size": block_size,
         "num_kv_heads": num_kv_heads,
@@ -150,7 +153,12 @@ def layer_specs(
 
 
 def plan_kv_cache(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int) -> KVPlan:
-    """vLLM's grouping and layout of ``specs`` over ``num_blocks`` blocks, block-outermost."""
+    """vLLM's grouping and layout of ``specs`` over ``num_blocks`` blocks, block-outermost.
+
+    NOTE: ``get_kv_cache_groups`` groups the layers (one group per layer of the repeating
+    pattern, so Gemma3's 5:1 is six groups). ``get_kv_cache_config_from_groups`` lays them out
+    block-outermost (``BLHNC``, kvcached's contiguous layout): a block is one row holding a page
+    per layer slot, and the groups overlay the same slots."""
     get_kv_cache_config_from_groups, get_kv_cache_groups = _planner()
     cache = vllm_config.cache_config
     cache.kv_cache_layout = "BLHNC"  # block-outermost: kvcached's contiguous layout
@@ -187,8 +195,8 @@ def plan_kv_cache(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_bl
 
 def _planner() -> tuple[Any, Any]:
     """vLLM's ``get_kv_cache_config_from_groups`` and ``get_kv_cache_groups``, wherever this vLLM
-    keeps them: 0.33 moved them to ``vllm.v1.core.kv_cache_planning``; 0.32 (the CPU build the
-    suite also runs on) has the same two functions, same signatures, in
+    keeps them: 0.33 moved them to ``vllm.v1.core.kv_cache_planning``; 0.32 (0.32.0, the CPU
+    build the suite also runs on) has the same two functions, same signatures, in
     ``vllm.v1.core.kv_cache_utils``."""
     try:
         from vllm.v1.core import kv_cache_planning as planning

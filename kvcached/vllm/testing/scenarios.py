@@ -2,18 +2,9 @@
 
 Each scenario drives vLLM 0.33's real ``Scheduler`` and ``OffloadingConnector`` through the
 harness (real bytes, written by a model stand-in, stored to and loaded back from a CPU tier by
-a worker of the project's own), with kvcached underneath: the KV tensors are views of host
-backend pages, vLLM's block pool is page-aware, and the bridge turns connector calls into ledger
-events. Under ``legacy`` the allocator unmaps a page as soon as it is empty, as kvcached did
-before the offloading pins; under ``ledger`` it waits for the pins. Upstream kvcached PR #598's reproduction
-settings are used: no cached blocks kept (``KVCACHED_MAX_CACHED_TOKENS=0``) and no reserved
-pages (``KVCACHED_MAX_RESERVED_PAGES=0``), so a freed page really goes back to the OS, and
-upstream's placement (best fit, ``Placement.BEST_FIT``), whose layouts the cases were built on:
-under this project's default, ``WHOLE_PAGES``, other pages empty, and legacy loses no byte and
-records no I1 in finished-store-next-build, finish-on-stop-token and preempt-shrink.
-
-``python -m kvcached.vllm.testing.scenarios --capture traces/`` runs every scenario under both
-policies and writes their journals: the golden traces of ``traces/``.
+a worker of the project's own), with kvcached underneath (``Kvcached``), under ``legacy`` and
+under ``ledger``. ``python -m kvcached.vllm.testing.scenarios --capture traces/`` runs every
+scenario under both policies and writes their journals: the golden traces of ``traces/``.
 """
 
 from __future__ import annotations
@@ -42,7 +33,13 @@ PAGE_BLOCKS = 4  # blocks per kvcached page: small, so that pages empty out in s
 
 
 class Kvcached:
-    """kvcached under one harness: backends per rank, then the engine ``assemble`` builds."""
+    """kvcached under one harness: backends per rank, then the engine ``assemble`` builds.
+
+    NOTE: the KV tensors are views of host backend pages, vLLM's block pool is page-aware, and the
+    bridge turns connector calls into ledger events. Under ``legacy`` the allocator unmaps a page
+    as soon as it is empty, as kvcached did before the offloading pins; under ``ledger`` it waits
+    for the pins.
+    """
 
     def __init__(self, policy: str, *, journal: str | None = None, max_reserved: int = 0) -> None:
         self.policy = Policy(policy)
@@ -65,6 +62,14 @@ class Kvcached:
         return backend.tensor()[: num_blocks * block_bytes].view(num_blocks, block_bytes)
 
     def on_scheduler_built(self, scheduler: Any) -> None:
+        """Assemble the engine over the scheduler vLLM built.
+
+        NOTE: upstream kvcached PR #598's reproduction settings are used: no cached blocks kept
+        (``KVCACHED_MAX_CACHED_TOKENS=0``) and no reserved pages (``KVCACHED_MAX_RESERVED_PAGES=0``),
+        so a freed page really goes back to the OS. So is upstream's placement (best fit,
+        ``Placement.BEST_FIT``), whose layouts the cases were built on. Under this project's
+        default, ``WHOLE_PAGES``, other pages empty, and legacy loses no byte and records no I1 in
+        finished-store-next-build, finish-on-stop-token and preempt-shrink."""
         assert self.geometry is not None, "kv_memory runs before the scheduler is built"
         # Journaled inline: the same run gives the same bytes (the golden traces).
         config = EngineConfig(

@@ -1,17 +1,8 @@
 """Shrink a failing kvsim case to a small one that fails the same check, and write it down.
 
-Greedy delta debugging over the case's data (``draw.Case``): try each simplification in turn
-(drop a request, drop a fault, drop or shorten a run of steps, shorten a prompt or an output,
-undo a shared prefix, a stop token or a follow-up, then simplify the configuration toward the
-defaults) and keep the first that still fails the same check under the same variant; start
-over until nothing applies or the run budget is spent. Every candidate is a complete case run
-from scratch, so what comes out is reproducible by ``kvsim repro`` and needs no history.
-
-What is written (``write_case``): the shrunk case's journal under its variant (under ``ledger``
-for a ``vllm`` failure, which has no journal of its own), its ``kvreplay check --json`` report
-beside it (``NAME.VARIANT.kvj`` and ``NAME.VARIANT.check.json``: with ``-o traces`` the golden
-trace test picks them up), and ``NAME.kvsim.json``, the case and the checks it fails, which
-``tests/vllm_scheduler/test_kvsim.py`` runs again.
+Greedy delta debugging over the case's data (``draw.Case``, ``shrink``). Every candidate is a
+complete case run from scratch, so what comes out is reproducible by ``kvsim repro`` and needs no
+history. ``write_case`` writes the shrunk case down with its journal and expected report.
 """
 
 from __future__ import annotations
@@ -38,6 +29,12 @@ class ShrinkReport(msgspec.Struct, frozen=True, kw_only=True):
 def shrink(
     case: Case, variant: str, check: str, *, budget: int = 150, progress: Callable[[str], None] | None = None
 ) -> ShrinkReport:
+    """Shrink ``case`` while it still fails ``check`` under ``variant``, in at most ``budget`` runs.
+
+    NOTE: it tries each simplification in turn (``_candidates``) and keeps the first that still
+    fails the same check under the same variant; it starts over until nothing applies or the run
+    budget is spent.
+    """
     runs = 0
     best = run_case(case, variant)
     runs += 1
@@ -96,6 +93,9 @@ def _drop_add(case: Case, k: int) -> Case:
 
 
 def _candidates(case: Case) -> Iterator[Case]:
+    """Each simpler case, in the order tried: drop a request, drop a fault, drop or shorten a run
+    of steps, shorten a prompt or an output, undo a shared prefix, a stop token or a follow-up,
+    then simplify the configuration toward the defaults."""
     nadds = len(case.adds)
     for k in reversed(range(nadds)):
         if nadds > 1:
@@ -149,7 +149,13 @@ def _candidates(case: Case) -> Iterator[Case]:
 
 
 def write_case(report: ShrinkReport, out: Path) -> list[Path]:
-    """Write the journal, its expected ``kvreplay check --json`` report and the case; returns the paths."""
+    """Write the journal, its expected ``kvreplay check --json`` report and the case; returns the paths.
+
+    NOTE: the journal is the shrunk case's under its variant (under ``ledger`` for a ``vllm``
+    failure, which has no journal of its own), with its ``kvreplay check --json`` report beside it
+    (``NAME.VARIANT.kvj`` and ``NAME.VARIANT.check.json``: with ``-o traces`` the golden trace test
+    picks them up). ``NAME.kvsim.json`` holds the case and the checks it fails, which
+    ``tests/vllm_scheduler/test_kvsim.py`` runs again."""
     from kvreplay.check import dumps, run_check
     from kvreplay.check import report as check_report
 
