@@ -56,7 +56,7 @@ SHOW_EVENTS: Final = 60
 
 # Every code the ledger reports (kvcached.ledger's ``violate`` calls), with its invariant: a
 # ``--only`` naming neither an invariant nor one of these is refused before the trace is read
-# (it used to replay the whole trace, then say it found none). tests/test_kvreplay.py keeps it
+# (else a typo costs a whole replay, and then says it found none). tests/test_kvreplay.py keeps it
 # equal to the codes in the ledger's source.
 CODES: Final[dict[str, str]] = {
     "unmap-under-job": "I1",

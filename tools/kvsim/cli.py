@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--variant", choices=VARIANTS, help="default: the first failing of ledger, never-unmap, vllm, legacy"
     )
-    # Checked here, before the seed runs: a misspelt check used to run every variant (minutes with
+    # Checked here, before the seed runs: else a misspelt check runs every variant (minutes with
     # vLLM) only to say the seed does not fail it. result imports msgspec alone, never vLLM.
     from kvsim.on_vllm.result import CHECKS
 

@@ -31,7 +31,7 @@ PAGE_MB = {"vllm": "0.25", "sglang": "0.125"}
 CPU_TIER = 16 * MiB  # both offload to the host (vLLM's OffloadingConnector, SGLang's HiCache)
 STARTUP_S = 600.0
 # How long a reset engine has to give its pages back: a bound on a wait for that condition (which
-# returns once it holds), sized for a loaded machine, where 20 s once ran out at a load of 18.
+# returns once it holds), sized for a loaded machine (20 s is too short at a load of 18).
 RELEASE_S = 120.0
 
 LOADS = {name: elastic.prompts(f"mixed {name}", 5, 6500) for name in ("A", "B", "A contended", "B contended")}

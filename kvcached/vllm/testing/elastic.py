@@ -37,8 +37,8 @@ CPU_TIER = 16 * MiB  # both (and native) offload to a CPU tier, the setup kvcach
 PAGE_MB = "0.25"  # a page of one block per layer (2 MiB in all 8 layers): memory moves block by block
 # Several servers starting at once on a busy 2-core machine take over the harness's 240 s.
 STARTUP_S = 600.0
-# Bounds on waits for a condition, sized for a loaded 2-core machine (these tests once ran out of
-# 5, 10 and 20 s at a load of 18). Each guards a liveness that a bug makes infinite, not a speed:
+# Bounds on waits for a condition, sized for a loaded 2-core machine (5, 10 and 20 s are too short
+# at a load of 18). Each guards a liveness that a bug makes infinite, not a speed:
 # without kvctl's wake-up an idle engine core never steps (it blocks on its input queue), and
 # without the dead share's reclaim B never maps A's. The waits return as soon as the condition holds.
 KILL_BOUND_S = 60.0  # a dead engine's share must be mapped by another within this
