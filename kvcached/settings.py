@@ -2,18 +2,9 @@
 
 One frozen value, read once, so that every part (allocator, bridge, plugin) agrees and the
 startup log can print exactly what is in force. Every variable is read by one function
-(``_read``) under one rule: unset, empty or blank means the default; otherwise the value must
-parse exactly as its kind (a flag, a whole count, a size in MiB, one of a few words, a path) and
-lie within its bounds, or it is refused with a ``ConfigError`` of one line naming the variable,
-the value and what to set. Nothing is truncated (``2.5`` pages is not 2), nothing non-finite or
-absurd gets through (``nan``, ``inf``, ``1e400``, a page of 1e30 MiB), and the bounds are where
-a value stops describing any machine kvcached could serve. Where a name is upstream kvcached's,
-its meaning and default are upstream's (``KVCACHED_MAX_CACHED_TOKENS``: 16,000 by default,
-negative for no cap); ``unknown_settings`` names the ``KVCACHED_*`` variables this kvcached does
-not read, as vLLM does for unknown ``VLLM_*`` ones, and says which upstream names do not apply;
-``ignored_settings`` names those it reads that the running engine has no use for (``SCOPES``). A
-default the user did not give yields to a value they gave (a reserve maximum below the default
-minimum lowers it), and ``Settings.notes`` says so for the startup line.
+(``_read``) under one rule; a value it cannot take is refused with a ``ConfigError`` of one line
+naming the variable, the value and what to set. Where a name is upstream kvcached's, its meaning
+and default are upstream's (``KVCACHED_MAX_CACHED_TOKENS``: 16,000 by default, negative for no cap).
 """
 
 from __future__ import annotations
@@ -353,7 +344,10 @@ SCOPES: Final[Mapping[str, Scope]] = {
 
 def ignored_settings(engine: str, env: Mapping[str, str] | None = None) -> list[str]:
     """One line (without a prefix) per setting given in ``env`` that ``engine`` (``"vllm"`` or
-    ``"sglang"``) does not read, saying why."""
+    ``"sglang"``) does not read, saying why.
+
+    NOTE: these are the settings kvcached reads that the running engine has no use for
+    (``SCOPES``); ``unknown_settings`` names those it does not read at all."""
     e = os.environ if env is None else env
     return [
         f"{name}={_show(e[name])} does not apply under {ENGINES[engine]} ({scope.why}); ignored"
@@ -475,7 +469,10 @@ def _reserve(env: Mapping[str, str]) -> tuple[int, int, tuple[str, ...]]:
     ``KVCACHED_MAX_RESERVED_PAGES=2`` alone (its ``PageAllocator.__init__`` takes both bounds as
     they are), so the default minimum of 5 is lowered to it, and a minimum given above the
     default maximum raises that. Two given that contradict are the user's to settle: ``from_env``
-    refuses them."""
+    refuses them.
+
+    NOTE: a default the user did not give yields to a value they gave (a reserve maximum below
+    the default minimum lowers it), and ``Settings.notes`` says so for the startup line."""
     low, high = _count(env, MIN_RESERVED), _count(env, MAX_RESERVED_VAR)
     if low <= high or _given(env, MIN_RESERVED) == _given(env, MAX_RESERVED_VAR):
         return low, high, ()
@@ -491,7 +488,13 @@ def _show(raw: str) -> str:
 
 def _read(env: Mapping[str, str], var: Var) -> bool | int | str:
     """The one rule: blank is the default; else the exact value of ``var``'s kind within its
-    bounds, or a one-line ``ConfigError``: the variable, the value, what is wrong, what to set."""
+    bounds, or a one-line ``ConfigError``: the variable, the value, what is wrong, what to set.
+
+    NOTE: unset, empty or blank means the default; otherwise the value must parse exactly as its
+    kind (a flag, a whole count, a size in MiB, one of a few words, a path) and lie within its
+    bounds. Nothing is truncated (``2.5`` pages is not 2), nothing non-finite or absurd gets
+    through (``nan``, ``inf``, ``1e400``, a page of 1e30 MiB), and the bounds are where a value
+    stops describing any machine kvcached could serve."""
     raw = env.get(var.name, "")
     text = raw.strip()
     if not text:
@@ -567,7 +570,10 @@ def _text(env: Mapping[str, str], var: Var) -> str:
 
 
 def unknown_settings(env: Mapping[str, str] | None = None) -> list[str]:
-    """One warning (one line, without a prefix) per ``KVCACHED_*`` variable this kvcached does not read."""
+    """One warning (one line, without a prefix) per ``KVCACHED_*`` variable this kvcached does not read.
+
+    NOTE: it names them as vLLM does unknown ``VLLM_*`` ones, and says which upstream names do
+    not apply here (``UPSTREAM_ONLY``)."""
     e = os.environ if env is None else env
     known = {v.name for v in SETTINGS} | OTHER_NAMES
     lines = []

@@ -2,13 +2,9 @@
 
 A backend owns one virtual range of ``num_pages`` slots of ``page_bytes`` each and backs single
 slots with physical memory on request. The allocator above it decides *when* a slot may lose its
-memory (the ledger's job); the backend only has to make each step exact and observable: a slot
-is mapped or it is not, mapping a mapped slot or unmapping an unmapped one is an error rather
-than a silent no-op (both would hide an accounting bug upstream), a failed map leaves nothing
-behind, and a slot whose memory was returned reads as zeros instead of faulting. The shared
-checks live here, in one place, so the host backend (used on CPU machines and in tests) and the
-CUDA backend cannot drift apart in what they accept; subclasses supply only the ``_reserve``,
-``_map``, ``_unmap``, ``_tensor`` and ``_close`` steps.
+memory (the ledger's job); the backend only has to make each step exact and observable. The
+shared checks live here, in one place, so the host backend (used on CPU machines and in tests)
+and the CUDA backend cannot drift apart in what they accept.
 """
 
 from __future__ import annotations
@@ -32,6 +28,12 @@ class Backend(abc.ABC):
     Thread-safe: map, unmap and close are serialised by one lock, because the engine may unmap
     from a background thread while the scheduler maps. Use as a context manager or call
     ``close()``; both are idempotent.
+
+    NOTE: each step is exact and observable: a slot is mapped or it is not, mapping a mapped slot
+    or unmapping an unmapped one is an error rather than a silent no-op (both would hide an
+    accounting bug upstream). A failed map leaves nothing behind, and a slot whose memory was
+    returned reads as zeros instead of faulting. Subclasses supply only the ``_reserve``,
+    ``_map``, ``_unmap``, ``_tensor`` and ``_close`` steps.
     """
 
     kind: str = "abstract"

@@ -1,14 +1,10 @@
 """CUDA virtual-memory backend: one reserved device address range, physical pages (2 MiB on the H200) mapped
 into it and returned to the driver one at a time, through cuda-python's driver API, with the calls that
-``vmm_probe.py`` verified on the H200. Like upstream kvcached, every slot without a page of its own is backed by
-one shared, zero-filled *zero page*, so a late read of a freed slot (the freed-block copy) returns zeros instead
-of an illegal-address fault that would kill the whole CUDA context; mapping a slot first unmaps the zero page
-there and unmapping maps it back, at the price of one extra driver step each way (``bench_backend_cuda.py``
-reports it; ``zero_page=False`` drops the safety net for measurements). Failures roll back: a map that fails
-after cuMemCreate releases the handle and puts the zero page back, so nothing leaks. The range belongs to a
-small owner object that torch views keep alive (torch increfs the ``__cuda_array_interface__`` provider until
-the tensor's storage dies) and is freed by a ``weakref.finalize`` on that owner, so it can never be freed under
-a live view. cuda-python is imported lazily, so the package imports without it.
+``vmm_probe.py`` verified on the H200.
+
+Like upstream kvcached, every slot without a page of its own is backed by one shared, zero-filled *zero page*, so
+a late read of a freed slot (the freed-block copy) returns zeros instead of an illegal-address fault that would
+kill the whole CUDA context. cuda-python is imported lazily, so the package imports without it.
 """
 
 from __future__ import annotations
@@ -181,7 +177,11 @@ def _finalize(res: _Resources) -> None:
 
 
 class _RangeOwner:
-    """What torch views point at: keeping it alive keeps the range, since the finalizer that frees it hangs here."""
+    """What torch views point at: keeping it alive keeps the range, since the finalizer that frees it hangs here.
+
+    NOTE: torch views keep this owner alive (torch increfs the ``__cuda_array_interface__`` provider until the
+    tensor's storage dies), and the range is freed by a ``weakref.finalize`` on it, so the range can never be freed
+    under a live view."""
 
     def __init__(self, res: _Resources) -> None:
         self._res = res
@@ -198,6 +198,10 @@ class CudaVmmBackend(Backend):
     of it. After ``close()`` every page is returned; views still alive keep the range, read zeros (the zero page)
     and must not be written (a write lands in the page shared by every unmapped slot); the range goes with the
     last view.
+
+    NOTE: mapping a slot first unmaps the zero page there and unmapping maps it back, at the price of one extra
+    driver step each way (``bench_backend_cuda.py`` reports it; ``zero_page=False`` drops the safety net for
+    measurements).
     """
 
     kind = "cuda"
@@ -280,6 +284,8 @@ class CudaVmmBackend(Backend):
             res.leave(pushed)
 
     def _map(self, index: int) -> None:
+        """NOTE: failures roll back: a map that fails after cuMemCreate releases the handle and puts the zero page
+        back, so nothing leaks."""
         res = self._res
         pushed = res.enter()
         try:

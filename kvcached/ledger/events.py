@@ -1,17 +1,10 @@
 """The ledger's vocabulary: every fact that decides whether a KV page may be unmapped.
 
 Events are frozen msgspec Structs, encoded as msgpack arrays whose first element is a small
-integer tag. Arrays and integer tags keep a journal near 10 bytes per event, which matters
-because the journal sees every block alloc and free of a serving engine. Request ids are
-interned: a request is named once (``RequestAdded``) and referred to by a small integer
-afterwards, because vLLM's request ids are 30-50 byte strings.
-
-The events are split into *inputs* (what the engine did: builds, allocs, frees, jobs, reports,
-holds, request lifecycle, limits) and *decisions* (what the page allocator did: map, unmap).
-Replay can keep the recorded decisions or re-derive them under another policy from the inputs.
-
-The header is not part of the tagged union: it is a map-encoded struct so that fields can be
-added without a format bump, and it always travels first.
+integer tag. They are split into *inputs* (what the engine did: builds, allocs, frees, jobs,
+reports, holds, request lifecycle, limits) and *decisions* (what the page allocator did: map,
+unmap). Replay can keep the recorded decisions or re-derive them under another policy from the
+inputs.
 """
 
 from __future__ import annotations
@@ -80,6 +73,9 @@ class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False, kw_only=T
     A header declaring more blocks or pools than the ledger tracks (``MAX_BLOCKS``,
     ``MAX_POOLS``) raises ``ConfigError``, whether it is constructed (the served path) or
     decoded (a journal or snapshot: msgspec lets the error through and the readers name the file).
+
+    NOTE: the header is not part of the tagged union: it is a map-encoded struct so that fields
+    can be added without a format bump, and it always travels first.
     """
 
     format_version: Positive = FORMAT_VERSION
@@ -111,7 +107,10 @@ class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False, kw_only=T
 
 
 class _Event(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="t"):
-    """Base of every journaled event; ``t`` is the integer tag (the first array element)."""
+    """Base of every journaled event; ``t`` is the integer tag (the first array element).
+
+    NOTE: arrays and integer tags keep a journal near 10 bytes per event, which matters because
+    the journal sees every block alloc and free of a serving engine."""
 
 
 # --- inputs ---------------------------------------------------------------------------------
@@ -183,7 +182,10 @@ class WindowRelease(_Event, frozen=True, tag=6):
 
 
 class RequestAdded(_Event, frozen=True, tag=7):
-    """Interns the engine's request id ``name`` as the small integer ``req``."""
+    """Interns the engine's request id ``name`` as the small integer ``req``.
+
+    NOTE: a request is named once, here, and referred to by a small integer afterwards, because
+    vLLM's request ids are 30-50 byte strings."""
 
     req: NonNeg
     name: str

@@ -3,17 +3,8 @@ what someone else put there, read only when they are regular files.
 
 A journal often lies in a shared directory (the README's example is ``/tmp/run.kvj``), where
 another user can plant a name before the writer gets to it: a symlink ``P.tmp -> ~/.bashrc``,
-or a FIFO where a snapshot is expected. So a file is never opened for writing under its final
-name. It is written under a fresh, unpredictable name (:func:`create_temp`: ``O_CREAT|O_EXCL|
-O_NOFOLLOW``, so a planted name or link makes the open fail instead of being written through),
-then given its name by :func:`install`: as a hard link, which fails if anything already has the
-name, or by a rename over exactly the file the same writer installed before (checked by device
-and inode, so a file swapped in meanwhile is not replaced). Reading goes through
-:func:`open_regular`, which opens without blocking and refuses what is not a regular file (a FIFO
-would block ``open`` forever, ``/dev/zero`` never ends); its size then bounds the read. An output
-a user names and writes as it goes (``kvreplay minimize -o``, the recorder's journal) cannot be
-written under another name first; :func:`create_or_truncate` opens it without following a link
-and truncates it only once the opened file is known to be a regular one.
+or a FIFO where a snapshot is expected. So a file is written under a fresh name, then installed
+(:func:`write_whole`), and read only through :func:`open_regular`.
 """
 
 from __future__ import annotations
@@ -97,6 +88,9 @@ def install(tmp: str, path: str, *, replacing: FileId | None = None) -> None:
     the temporary name is removed. On a file system without hard links the check and the rename
     are two steps. With ``replacing``, ``path`` must still be that very file (the one this writer
     installed before), which the rename then replaces atomically.
+
+    NOTE: that file is checked by device and inode (``FileId``), so a file swapped in meanwhile
+    is not replaced.
     """
     if replacing is not None:
         st = lstat(path)
@@ -129,7 +123,12 @@ def write_whole(path: str, body: bytes, *, sync: bool = False, replacing: FileId
     """Writes ``body`` to ``path``: under a fresh name, then installed (see ``install``:
     ``replacing`` None means ``path`` must not exist). Returns the new file's id, to pass as
     ``replacing`` next time. ``sync``: on the disk, rename included, before it returns.
-    Raises ``OSError``; nothing is left behind but the file installed."""
+    Raises ``OSError``; nothing is left behind but the file installed.
+
+    NOTE: a file is never opened for writing under its final name. It is written under a fresh,
+    unpredictable name (:func:`create_temp`: ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a planted name or
+    link makes the open fail instead of being written through), then given its name by
+    :func:`install`."""
     tmp, f = create_temp(path)
     try:
         with f:
@@ -165,6 +164,9 @@ def open_regular(path: str, *, follow: bool = True, buffering: int = -1) -> tupl
 
     ``O_NONBLOCK`` so that a FIFO without a writer cannot block the open; it has no effect on a
     regular file. ``follow=False`` also refuses a symlink (``O_NOFOLLOW``).
+
+    NOTE: what is not a regular file is refused because a FIFO would block ``open`` forever and
+    ``/dev/zero`` never ends; a regular file's size then bounds the read (:func:`read_regular`).
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
@@ -192,6 +194,9 @@ def create_or_truncate(path: str) -> BinaryIO:
     opened, which for some devices acts) and again after, from the opened file itself, in case
     the name was swapped in between (``O_NONBLOCK``: a FIFO swapped in cannot block the open).
     Nothing is truncated until the opened file is known to be a regular file.
+
+    NOTE: such an output is written as it goes (``kvreplay minimize -o``, the recorder's
+    journal), so it cannot be written under another name first, as :func:`write_whole` does.
     """
     st = lstat(path)
     if st is not None and not stat.S_ISREG(st.st_mode):

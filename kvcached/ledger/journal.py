@@ -1,18 +1,9 @@
 """The journal file: a header, then batches of events, each batch in its own checksummed frame.
 
 A journal is written by a serving process that may be killed at any moment and read back by
-tools that must never act on a wrong event, so the format is built around two rules: a frame
-is either wholly present and checked or it is not used, and damage is told apart from an
-interrupted write. Each frame carries a CRC of its payload and a separate CRC of its own
-length, so a flipped length is reported as corruption instead of being mistaken for a file
-that merely ends early; a frame that is cut off at the end of the file (the one write a killed
-writer left unfinished) is a *torn tail*, which costs only that frame's events. One frame per
-batch keeps the per-event overhead to the msgpack bytes of the event itself, lets a writer emit
-each batch with a single ``write``, and lets a reader stream a file of any size while holding
-no more than one frame. A reader opens only regular files (a FIFO would block it, a device
-never end) and refuses a header whose geometry no GPU holds before anything is allocated for it
-(``events.Header``); a writer never writes through a symlink or into a FIFO or device. See
-``docs/trace-format.md`` for the byte-level description.
+tools that must never act on a wrong event. So the format is built around two rules: a frame is
+either wholly present and checked or it is not used, and damage is told apart from an
+interrupted write. See ``docs/trace-format.md`` for the byte-level description.
 """
 
 from __future__ import annotations
@@ -96,6 +87,10 @@ class JournalWriter:
     so after an ``OSError`` the writer knows exactly where the last complete frame ends
     (``bytes_written``) and a killed process leaves at most one partial frame behind. Use
     :meth:`create`, or pass a file opened with ``open(path, "wb", buffering=0)``.
+
+    NOTE: one frame per batch keeps the per-event overhead to the msgpack bytes of the event
+    itself, lets a writer emit each batch with a single ``write``, and lets a reader stream a file
+    of any size while holding no more than one frame.
     """
 
     def __init__(self, file: BinaryIO, path: str, header: Header) -> None:
@@ -234,6 +229,9 @@ class TornTail(msgspec.Struct, frozen=True):
 
     ``frame_bytes_expected`` is the whole frame's size (header and payload) when the frame
     header is complete, else the frame header's size, the least a frame can take.
+
+    NOTE: a frame that is cut off at the end of the file (the one write a killed writer left
+    unfinished) is a *torn tail*, which costs only that frame's events.
     """
 
     offset: int
@@ -256,6 +254,10 @@ class JournalReader:
     Memory is bounded by the largest frame, never by the file. Iterate once, with ``for event
     in reader`` or :meth:`batches`; afterwards ``torn_tail`` says whether the last frame was
     cut off. Every problem is a :class:`~kvcached.errors.JournalError` naming file and offset.
+
+    NOTE: a reader opens only regular files (a FIFO would block it, a device never end) and
+    refuses a header whose geometry no GPU holds before anything is allocated for it
+    (``events.Header``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, file: IO[bytes] | None = None) -> None:
@@ -333,7 +335,11 @@ class JournalReader:
         return header
 
     def _read_frame(self) -> bytes | TornTail | None:
-        """The checked payload of the frame at ``self.offset``; None at a clean end."""
+        """The checked payload of the frame at ``self.offset``; None at a clean end.
+
+        NOTE: each frame carries a CRC of its payload and a separate CRC of its own length, so a
+        flipped length is reported as corruption instead of being mistaken for a file that
+        merely ends early."""
         at = self.offset
         head = self._read(FRAME_HEADER_SIZE)
         if len(head) < FRAME_HEADER_SIZE:

@@ -4,14 +4,6 @@ A snapshot holds the *inputs* to the derivation (blocks, pins, jobs, requests) a
 outputs: the releasable set is recomputed on restore by the same rule the live path uses
 (``Ledger.restore``), so a snapshot cannot disagree with the events that produced it. Snapshots
 let kvreplay start a long trace in the middle and let the journal service write checkpoints.
-Taking and restoring one reads and writes ``LedgerTables`` (the ledger's state, declared once in
-``tables``) and is generic over it: each field of ``LedgerSnapshot`` is the table of the same
-name, copied (``_frozen`` and ``_thawed`` say how, by the table's type), except ``pools`` and
-``jobs``, which regroup tables into records. The tables a snapshot leaves out are either fixed
-by the header (``FIXED``) or indexes over the kept ones that restore rebuilds (``DERIVED``). So
-a new table that must survive a restart needs one field here, of the same name, with a default
-so that snapshots written before it still decode; tests/test_ledger.py checks that every table
-is kept, fixed or derived. The wire format is the Structs below; keep their fields as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +16,9 @@ import msgspec
 from .events import Header, Policy
 from .findings import Violation
 from .tables import LedgerTables
+
+# The wire format is the Structs below (JobRecord, PoolState, LedgerSnapshot); keep their fields
+# as they are.
 
 
 class JobRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -45,7 +40,18 @@ class PoolState(msgspec.Struct, frozen=True):
 
 
 class LedgerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything ``Ledger.restore`` needs to continue exactly where ``snapshot`` was taken."""
+    """Everything ``Ledger.restore`` needs to continue exactly where ``snapshot`` was taken.
+
+    NOTE: taking and restoring one reads and writes ``LedgerTables`` (the ledger's state,
+    declared once in ``tables``) and is generic over it. Each field here is the table of the same
+    name, copied (``_frozen`` and ``_thawed`` say how, by the table's type), except ``pools`` and
+    ``jobs``, which regroup tables into records. The tables a snapshot leaves out are either
+    fixed by the header (``FIXED``) or indexes over the kept ones that restore rebuilds
+    (``DERIVED``).
+
+    NOTE: so a new table that must survive a restart needs one field here, of the same name,
+    with a default so that snapshots written before it still decode; tests/test_ledger.py checks
+    that every table is kept, fixed or derived."""
 
     header: Header
     policy: Policy

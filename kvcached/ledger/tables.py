@@ -2,19 +2,8 @@
 
 Besides the ledger's hot handlers, three readers need this state: the slow paths that build
 witnesses and check liveness (``checks``), snapshot and restore (``state``), and the live view's
-pin listing (``kvcached.service.live.pin_rows``). When they reached into ``Ledger``'s private
-attributes, a field was spelled in four files and ``ledger``, ``checks`` and ``state`` knew each
-other (an import cycle, if only through type-checking imports). Now the state is one object, a
-``LedgerTables`` that the ledger holds as ``ledger.tables`` and the readers take instead of the
-ledger: public fields, typed and commented here, and nothing about how events change them
-(those rules stay in ``ledger.py``). Adding a field is its declaration and initial value here
-plus, if a restart must keep it, the field of the same name in ``state.LedgerSnapshot``:
-``state`` copies every snapshot field to and from the table of that name and rebuilds the rest,
-and tests/test_ledger.py checks that each field below is kept, fixed or rebuilt. Besides data
-the class has the few reads that the ledger, the checks and the live view share (``build_of``,
-``request_name``, ``jobs_on``) and the one write the checks make (``violate``). It is compiled
-by mypyc together with ``ledger.py`` (setup.py): a native class, so ``t.jobs`` in a compiled
-handler is a load at a fixed offset, as an attribute of the ledger itself would be.
+pin listing (``kvcached.service.live.pin_rows``). So the state is one object, a ``LedgerTables``
+that the ledger holds as ``ledger.tables`` and the readers take instead of the ledger.
 """
 
 from __future__ import annotations
@@ -40,6 +29,22 @@ class LedgerTables:
 
     Comments say what a field holds; "(derived)" marks the fields that a snapshot leaves out
     and ``state.restore_snapshot`` rebuilds from the others.
+
+    NOTE: the readers take these tables, not ``Ledger``'s private attributes, so that a field is
+    spelled in one file and ``ledger``, ``checks`` and ``state`` do not know each other (an import
+    cycle, if only through type-checking imports). The fields are public, typed and commented
+    here; nothing here says how events change them (those rules stay in ``ledger.py``).
+
+    NOTE: adding a field is its declaration and initial value here plus, if a restart must keep
+    it, the field of the same name in ``state.LedgerSnapshot``. ``state`` copies every snapshot
+    field to and from the table of that name and rebuilds the rest, and tests/test_ledger.py
+    checks that each field here is kept, fixed or rebuilt.
+
+    NOTE: besides data the class has the few reads that the ledger, the checks and the live view
+    share (``build_of``, ``request_name``, ``jobs_on``) and the one write the checks make
+    (``violate``). It is compiled by mypyc together with ``ledger.py`` (setup.py): a native class,
+    so ``t.jobs`` in a compiled handler is a load at a fixed offset, as an attribute of the ledger
+    itself would be.
     """
 
     # --- configuration and geometry: fixed by the constructor ---

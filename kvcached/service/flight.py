@@ -4,17 +4,6 @@ A journal is off by default (it costs disk and an operator must ask for it), so 
 violation seen in production leaves nothing to replay. The ledger service keeps, beside its
 replica, the encoded batches it already makes for the journal and ``kvctl tail`` (no second
 encoding, no copy of an event), and a snapshot of the replica at the start of what it keeps.
-Two generations bound the memory: once ``capacity`` events follow the base snapshot, a second
-snapshot is taken; once ``capacity`` more follow that one, it becomes the base and the batches
-before it are dropped. So between ``capacity`` and ``2 * capacity`` of the latest events are
-kept, and each snapshot costs one ``Ledger.snapshot`` per ``capacity`` events on the service's
-thread, never on the scheduler's. Snapshots fall between batches, so a dump is whole frames.
-
-A dump (``messages.DumpReply``, as ``kvctl dump`` receives it) is a valid rotated journal of one
-segment whose header says where it starts (``first_event``) with the base snapshot beside it as
-``P.snap`` (docs/trace-format.md, "journals written by the ledger service"), which ``kvreplay
-check P`` picks up by itself; a dump of an engine that has not yet turned the ring over starts
-at event 0 and needs no snapshot.
 """
 
 from __future__ import annotations
@@ -64,7 +53,14 @@ class FlightRecorder:
 
     def add(self, first: int, count: int, payload: bytes, snapshot: Callable[[], LedgerSnapshot] | None) -> None:
         """One batch the service applied; ``snapshot`` gives the replica's state after it (None:
-        there is no replica, and the ring keeps growing from its start up to twice its size)."""
+        there is no replica, and the ring keeps growing from its start up to twice its size).
+
+        NOTE: two generations bound the memory: once ``capacity`` events follow the base
+        snapshot, a second snapshot is taken; once ``capacity`` more follow that one, it becomes
+        the base and the batches before it are dropped. So between ``capacity`` and ``2 *
+        capacity`` of the latest events are kept, and each snapshot costs one ``Ledger.snapshot``
+        per ``capacity`` events on the service's thread, never on the scheduler's. Snapshots fall
+        between batches, so a dump is whole frames."""
         self._frames.append((first, count, payload))
         self._end = first + count
         if snapshot is None:
@@ -82,7 +78,13 @@ class FlightRecorder:
             self._next = snapshot()
 
     def dump(self, reason: str) -> DumpReply:
-        """The kept events as a trace (the bytes of a journal file, and of its snapshot)."""
+        """The kept events as a trace (the bytes of a journal file, and of its snapshot).
+
+        NOTE: a dump (``messages.DumpReply``, as ``kvctl dump`` receives it) is a valid rotated
+        journal of one segment whose header says where it starts (``first_event``). The base
+        snapshot goes beside it as ``P.snap`` (docs/trace-format.md, "journals written by the
+        ledger service"), which ``kvreplay check P`` picks up by itself. A dump of an engine that
+        has not yet turned the ring over starts at event 0 and needs no snapshot."""
         header = segment_header(self.header, 0, self._base_index)
         header = msgspec.structs.replace(header, meta={**header.meta, REASON_KEY: reason}, created_unix=time.time())
         buf = io.BytesIO()

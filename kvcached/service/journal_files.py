@@ -1,19 +1,10 @@
 """Which files beside its journal the ledger service may touch, and keeping the previous runs.
 
 The journal path is a setting (``KVCACHED_LEDGER_JOURNAL``), often in a shared directory, and a
-wrong or hostile value must not cost anyone a file: the service once replaced ``/dev/full`` with
-a regular file, deleted ``syslog.1`` for a journal named ``syslog``, and deleted the journal of
-the run before, which after a crash is the one an operator needs. So the service only ever
-renames or deletes a file it can tell it wrote: a regular file (not a link), owned by the
-service's user, that is a journal segment whose header carries the number its name says (the
-service writes ``segment`` into every header it writes), or a snapshot that decodes as one. At
-start (:func:`claim`) anything else with a name the new run will write (``P``, ``P.<n>``,
-``P.snap``) stops journaling with one line, before anything is written; a journal another
-running service holds (an exclusive ``flock`` on its current segment, see :func:`lock`) does
-too. The previous run's files are renamed, never copied or deleted, to ``P.run<N>``,
-``P.run<N>.<n>``, ``P.run<N>.snap``: a journal of its own that ``kvreplay check P.run<N>``
-reads, ``N`` one more than any run number in the folder. Of those runs, the newest
-``keep_runs`` are kept and the files of older ones that the service wrote are deleted.
+wrong or hostile value must not cost anyone a file. So the service only ever renames or deletes a
+file it can tell it wrote (:func:`not_ours`). At start (:func:`claim`) the previous run's files
+are renamed aside as a journal of their own, and the files of runs beyond the newest
+``keep_runs`` are deleted (:func:`prune`).
 """
 
 from __future__ import annotations
@@ -76,7 +67,13 @@ def members(entries: list[str], name: str) -> dict[str, Member]:
 
 
 def not_ours(path: str, member: Member) -> str | None:
-    """None when ``path`` is a file the service wrote as ``member``; else why not, in words."""
+    """None when ``path`` is a file the service wrote as ``member``; else why not, in words.
+
+    NOTE: a file the service wrote is a regular file (not a link), owned by the service's user,
+    that is a journal segment whose header carries the number its name says (the service writes
+    ``segment`` into every header it writes), or a snapshot that decodes as one. A service that
+    went by the name alone would replace ``/dev/full`` with a regular file, or delete
+    ``syslog.1`` for a journal named ``syslog``."""
     st = lstat(path)
     if st is None:
         return "gone"
@@ -132,7 +129,18 @@ def runs(entries: list[str], name: str) -> dict[int, dict[str, Member]]:
 def claim(base: str, keep_runs: int) -> tuple[str | None, int]:
     """Readies the names of a new run at ``base``; returns (where the previous run now lies or
     None, runs deleted). Raises ``JournalWriteError`` (one line, nothing touched) when a name the
-    run will write is held by a file the service did not write, or by a running service."""
+    run will write is held by a file the service did not write, or by a running service.
+
+    NOTE: a name the new run will write (``P``, ``P.<n>``, ``P.snap``) held by anything but a
+    file the service wrote stops journaling with one line, before anything is written; so does a
+    journal another running service holds (an exclusive ``flock`` on its current segment, see
+    :func:`lock`).
+
+    NOTE: the previous run's files are renamed, never copied or deleted (it is the journal an
+    operator needs after a crash), to ``P.run<N>``, ``P.run<N>.<n>``, ``P.run<N>.snap``. That is
+    a journal of its own that ``kvreplay check P.run<N>`` reads, ``N`` one more than any run
+    number in the folder. Of those runs, the newest ``keep_runs`` are kept and the files of
+    older ones that the service wrote are deleted (:func:`prune`)."""
     folder = os.path.dirname(base) or "."
     name = os.path.basename(base)
     entries = os.listdir(folder)

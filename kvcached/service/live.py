@@ -1,18 +1,9 @@
 """The live view: a Unix socket where ``kvctl`` asks the ledger service which pages are pinned and why.
 
 The protocol is deliberately small so that any client can speak it: every message, in both
-directions, is a 4-byte big-endian length followed by that many bytes of msgpack. A request is a
-map ``{"op": "pins" | "status" | "why" | "tail", "page": int, "limit": int}`` (at most
-``MAX_REQUEST`` bytes); a reply is a map whose ``type`` field names it (``pins``, ``status``,
-``why``, ``events``, ``error``). ``tail`` turns the connection into a stream of ``events``
-replies, one per journal batch, whose ``events`` field is the batch's msgpack array of events
-exactly as the journal holds it (encoded once, for every client and the journal). Answers come
-from the service's ledger replica on the service's loop, never from the scheduler's ledger.
-The socket lives in a directory only its owner can open (0700, checked, never loosened for the
-caller), and is itself 0600: the directory is what keeps others out, since it exists before the
-socket does. A client that stops reading is dropped once its bounded queue is full, so it
-cannot slow the service or the other clients; a malformed or oversized request gets an
-``error`` reply and the connection is closed, and nothing a client sends can stop the server.
+directions, is a 4-byte big-endian length followed by that many bytes of msgpack (``LiveServer``
+says what is in them). Answers come from the service's ledger replica on the service's loop,
+never from the scheduler's ledger, and nothing a client sends can stop the server.
 """
 
 from __future__ import annotations
@@ -102,7 +93,11 @@ def pin_rows(lg: Ledger) -> list[PinRow]:
 
 
 def prepare_socket_path(path: str) -> None:
-    """Make ``path``'s directory (0700) or check that only we can open it; clear a stale socket."""
+    """Make ``path``'s directory (0700) or check that only we can open it; clear a stale socket.
+
+    NOTE: the socket lives in a directory only its owner can open (0700, checked, never loosened
+    for the caller), and is itself 0600: the directory is what keeps others out, since it exists
+    before the socket does."""
     if len(os.fsencode(path)) > 107:
         raise ConfigError(f"{path}: a Unix socket path is limited to 107 bytes; choose a shorter one")
     folder = os.path.dirname(os.path.abspath(path))
@@ -159,6 +154,10 @@ class LiveServer:
     reply (a tail too many, a malformed request) follows the request read whole, so the peer
     reads the reply and then the end of the connection, not a reset; only a request declared
     larger than ``MAX_REQUEST`` is left unread.
+
+    NOTE: a request is a map ``{"op": "pins" | "status" | "why" | "tail", "page": int, "limit":
+    int}`` (at most ``MAX_REQUEST`` bytes); a reply is a map whose ``type`` field names it
+    (``pins``, ``status``, ``why``, ``events``, ``error``).
     """
 
     def __init__(
@@ -238,6 +237,8 @@ class LiveServer:
                 await self._freed.wait()
 
     def _broadcast(self, first: int, payload: bytes) -> None:
+        """NOTE: a client that stops reading is dropped once its bounded queue is full, so it
+        cannot slow the service or the other clients."""
         if not self._tails:
             return
         message = frame(EventsReply(first, msgspec.Raw(payload)))
@@ -268,6 +269,8 @@ class LiveServer:
                 self._freed.set()
 
     async def _converse(self, stream: anyio.abc.SocketStream, conn: _Conn) -> None:
+        """NOTE: a malformed or oversized request gets an ``error`` reply and the connection is
+        closed, and nothing a client sends can stop the server."""
         buffered = BufferedByteReceiveStream(stream)
         timeout = self.request_timeout  # the first request comes at once (kvctl sends on connect)
         while True:
@@ -310,6 +313,9 @@ class LiveServer:
         return False  # a client that does not read its answer is not waited for
 
     async def _tail(self, stream: anyio.abc.SocketStream, buffered: BufferedByteReceiveStream) -> None:
+        """NOTE: ``tail`` turns the connection into a stream of ``events`` replies, one per journal
+        batch, whose ``events`` field is the batch's msgpack array of events exactly as the
+        journal holds it (encoded once, for every client and the journal)."""
         send, receive = anyio.create_memory_object_stream[bytes](self.client_queue)
         async with anyio.create_task_group() as tg:
             tail = _Tail(send, tg.cancel_scope)

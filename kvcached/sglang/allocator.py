@@ -1,22 +1,10 @@
 """SGLang's token allocators with kvcached choosing the slots, so that pages empty and go back.
 
-SGLang's ``TokenToKVPoolAllocator`` (``mem_cache/allocator/token.py``, page_size 1) keeps its
-free slots in a tensor and hands out its head; freed slots go to its tail. Slots of one request
-end up spread over the whole pool and no page ever empties. This subclass asks the engine's
-``KVCacheManager`` instead, which packs a request's slots onto pages of its own and records every
-alloc and free in the ledger; a page is unmapped when the ledger lets it go.
-
-At ``--page-size`` above 1 SGLang builds ``PagedTokenToKVPoolAllocator`` (``allocator/paged.py``):
-a request's slots are whole SGLang pages, each page a kvcached block. Its extend and decode
-placement (which slots of a request's last page come next, which new pages follow) is SGLang's
-own code, run over a ``free_pages`` tensor that holds exactly the pages kvcached allocated for
-the call (``get_num_new_pages`` says how many); frees of whole pages go to the ledger.
-
-SGLang's free groups are kept as its base class defines them (``free_group_begin`` /
-``free_group_end``, ``allocator/base.py``): a free inside a group is held and freed at the end,
-in one ``free``. ``clear`` (``Scheduler.flush_cache``) frees every slot but the padding slot, so
-that the ledger sees the frees a reset makes. The subclass replaces SGLang's class through its
-plugin hooks (``kvcached.sglang.hooks``), so the pool builder picks it without a change.
+SGLang's own token allocator spreads the slots of one request over the whole pool, so no page
+ever empties. These subclasses ask the engine's ``KVCacheManager`` instead, which packs a request's
+slots onto pages of its own and records every alloc and free in the ledger; a page is unmapped
+when the ledger lets it go. They replace SGLang's classes through its plugin hooks
+(``kvcached.sglang.hooks``), so the pool builder picks them without a change.
 """
 
 from __future__ import annotations
@@ -55,7 +43,11 @@ def _engine_over(kvcache: Any, page_size: int) -> SglangEngine:
 
 
 class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # SGLang is untyped here
-    """``TokenToKVPoolAllocator`` over a kvcached pool: slots are the engine's blocks."""
+    """``TokenToKVPoolAllocator`` over a kvcached pool: slots are the engine's blocks.
+
+    NOTE: SGLang's ``TokenToKVPoolAllocator`` (``mem_cache/allocator/token.py``, page_size 1) keeps
+    its free slots in a tensor and hands out its head; freed slots go to its tail. Slots of one
+    request end up spread over the whole pool and no page ever empties."""
 
     def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
         with refusing():
@@ -63,6 +55,8 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
         super().__init__(size, dtype, device, kvcache, need_sort)
 
     def clear(self) -> None:
+        """NOTE: ``clear`` (``Scheduler.flush_cache``) frees every slot but the padding slot, so
+        that the ledger sees the frees a reset makes (``engine.reset``, in both allocators)."""
         engine: SglangEngine | None = getattr(self, "_engine", None)
         self.free_group = None
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -78,6 +72,9 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
         return None if blocks is None else torch.tensor(blocks, dtype=torch.int64, device=self.device)
 
     def free(self, free_index: torch.Tensor) -> None:
+        """NOTE: SGLang's free groups are kept as its base class defines them (``free_group_begin``
+        / ``free_group_end``, ``allocator/base.py``): a free inside a group is held and freed at
+        the end, in one ``free``."""
         if free_index.numel() == 0:
             return
         if self.free_group is not None:
@@ -90,7 +87,14 @@ class KvcachedTokenAllocator(TokenToKVPoolAllocator):  # type: ignore[misc]  # S
 
 
 class KvcachedPagedAllocator(PagedTokenToKVPoolAllocator):  # type: ignore[misc]  # SGLang is untyped here
-    """``PagedTokenToKVPoolAllocator`` over a kvcached pool: SGLang pages are the engine's blocks."""
+    """``PagedTokenToKVPoolAllocator`` over a kvcached pool: SGLang pages are the engine's blocks.
+
+    NOTE: at ``--page-size`` above 1 SGLang builds ``PagedTokenToKVPoolAllocator``
+    (``allocator/paged.py``): a request's slots are whole SGLang pages, each page a kvcached
+    block. Its extend and decode placement (which slots of a request's last page come next, which
+    new pages follow) is SGLang's own code. It runs over a ``free_pages`` tensor that holds
+    exactly the pages kvcached allocated for the call (``get_num_new_pages`` says how many);
+    frees of whole pages go to the ledger."""
 
     def __init__(
         self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool

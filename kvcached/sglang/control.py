@@ -1,16 +1,8 @@
 """Steering a served SGLang engine: ``kvctl list`` / ``status`` / ``limit`` through the live socket.
 
 The ledger service's live socket calls an ``EngineControl`` (``kvcached.service.messages``) from
-its own thread, while SGLang's scheduler thread allocates and frees. vLLM's control takes the
-engine's lock, which every scheduler call kvcached wraps holds; SGLang's allocator is called from
-too many places to wrap them all, so a limit is handed to the scheduler's thread instead and
-applied at its next step (``Bridge.step``), which SGLang's event loop takes continuously, busy or
-idle. The memory report reads the allocator's counts as they are between two such changes.
-What a lowered limit cannot take at once goes as SGLang frees the slots: a running request's when
-it ends; a cached tree node's only when SGLang evicts it, which it does only when it needs slots.
-So while pages in use are over the limit, each step evicts as many tokens as those pages hold
-from SGLang's tree (``evict``, least recently used first, as SGLang would), and an idle engine
-with a full prefix cache reaches its limit too.
+its own thread, while SGLang's scheduler thread allocates and frees. So a limit is handed to the
+scheduler's thread and applied at its next step (``SglangControl.apply``).
 """
 
 from __future__ import annotations
@@ -33,7 +25,12 @@ APPLY_WAIT_S = 5.0
 
 
 class SglangControl:
-    """The ``EngineControl`` of one SGLang engine (see the module docstring)."""
+    """The ``EngineControl`` of one SGLang engine.
+
+    NOTE: vLLM's control takes the engine's lock, which every scheduler call kvcached wraps holds.
+    SGLang's allocator is called from too many places to wrap them all, so a limit is handed to
+    the scheduler's thread instead and applied at its next step (``Bridge.step``), which SGLang's
+    event loop takes continuously, busy or idle."""
 
     def __init__(
         self,
@@ -66,6 +63,8 @@ class SglangControl:
         return self._info
 
     def memory(self) -> MemoryStatus:
+        """NOTE: the report reads the allocator's counts as they are between two changes of the
+        limit (``apply``)."""
         status = memory_status(self.manager, self.page_cost, floor_pages=self.floor_pages, floor_why=self.floor_why)
         return with_budget(status, self.budget)
 
@@ -89,7 +88,13 @@ class SglangControl:
                 self._cap = (cap,)
 
     def apply(self) -> None:
-        """On the scheduler's thread, at a step: the limit asked for since the last one."""
+        """On the scheduler's thread, at a step: the limit asked for since the last one.
+
+        NOTE: what a lowered limit cannot take at once goes as SGLang frees the slots: a running
+        request's when it ends; a cached tree node's only when SGLang evicts it, which it does
+        only when it needs slots. So while pages in use are over the limit, each step evicts as
+        many tokens as those pages hold from SGLang's tree (``evict``, least recently used first,
+        as SGLang would), and an idle engine with a full prefix cache reaches its limit too."""
         with self._lock:
             pending, self._pending = self._pending, None
             cap, self._cap = self._cap, None

@@ -1,20 +1,10 @@
 """kvcached under one SGLang KV pool: its memory on elastic pages, its ledger, its journal.
 
-SGLang's ``MHATokenToKVPool`` owns one K and one V tensor per layer, indexed by token slot
-(``memory_pool.py``, ``_create_buffers_normal``); its ``MLATokenToKVPool`` (DeepSeek's MLA) one
-latent tensor per layer (``_create_buffers``); its allocators hand out slot indices
-(``TokenToKVPoolAllocator`` at page_size 1, ``PagedTokenToKVPoolAllocator`` above, whole SGLang
-pages). kvcached puts those tensors on pages: a *block* is one SGLang page (``page_size`` slots,
-one slot at page_size 1), every layer's K, V or latent is a region of its own (the per-layer
-layout, ``Layout.PER_LAYER``), and logical page ``p`` is mapped in all regions at once. Block 0
-is SGLang's padding slot, which padded tokens write into; it is taken at start and never freed,
-so its page stays mapped.
-
-The same core serves vLLM: ``KVCacheManager`` chooses blocks and records every alloc and free,
-the ledger decides what may be unmapped, the journal has the format ``kvreplay`` reads. What is
-SGLang's here is the geometry (read from the pool's own fields) and the header's producer, which
-names SGLang and its version, so that a reader knows which engine wrote a trace
-(``Header.producer``, which ``kvreplay show`` prints).
+SGLang's KV pool owns one tensor per layer's K and V, or per layer's latent (MLA), indexed by
+token slot; kvcached puts those tensors on pages (``pool_geometry``). The same core serves vLLM:
+``KVCacheManager`` chooses blocks and records every alloc and free, the ledger decides what may be
+unmapped, the journal has the format ``kvreplay`` reads. What is SGLang's here is the geometry
+(read from the pool's own fields) and the header's producer (``SglangEngine``).
 """
 
 from __future__ import annotations
@@ -80,7 +70,16 @@ def pool_geometry(pool: Any, page_bytes: int, *, backend: str = "host", page_set
     """The geometry of SGLang pool ``pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool`` being
     built): one block per SGLang page, ``size // page_size + 1`` of them (page 0 is the padding
     page), one region per layer's K and per layer's V, or per layer's latent (MLA); the page is
-    ``page_bytes`` or, unless ``page_set``, one of whole blocks on ``backend`` near it."""
+    ``page_bytes`` or, unless ``page_set``, one of whole blocks on ``backend`` near it.
+
+    NOTE: SGLang's ``MHATokenToKVPool`` owns one K and one V tensor per layer, indexed by token
+    slot (``memory_pool.py``, ``_create_buffers_normal``); its ``MLATokenToKVPool`` (DeepSeek's
+    MLA) one latent tensor per layer (``_create_buffers``). Its allocators hand out slot indices
+    (``TokenToKVPoolAllocator`` at page_size 1, ``PagedTokenToKVPoolAllocator`` above, whole
+    SGLang pages). kvcached puts those tensors on pages: a *block* is one SGLang page
+    (``page_size`` slots, one slot at page_size 1), every layer's K, V or latent is a region of
+    its own (the per-layer layout, ``Layout.PER_LAYER``), and logical page ``p`` is mapped in all
+    regions at once."""
     page_size: int = pool.page_size
     rows = pool.size + page_size
     if is_mla(pool):
@@ -140,6 +139,8 @@ class SglangEngine:
             # its own engine and journal: one worker acknowledges each copy.
             workers=1,
             policy=config.policy,
+            # The producer names SGLang and its version, so that a reader knows which engine wrote
+            # a trace (``Header.producer``, which ``kvreplay show`` prints).
             producer={"sglang": sglang_version(), "kvcached": KVCACHED_VERSION},
             clock_base_unix=time.time() if config.clock else 0.0,
         )
@@ -182,7 +183,8 @@ class SglangEngine:
                 budget=self.budget,
             )
             # SGLang's padding page: padded tokens write into slot 0 (``TokenToKVPoolAllocator.clear``);
-            # and a partial last page, which SGLang never hands out.
+            # and a partial last page, which SGLang never hands out. Block 0 is taken at start and
+            # never freed, so its page stays mapped.
             self.manager.take([0, *range(pool.size // self.page_size + 1, g.num_blocks)])
             self.manager.drain_releasable()  # the lease the count took, back to the budget
             self._closing = opening.pop_all()

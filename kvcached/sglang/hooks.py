@@ -1,17 +1,9 @@
 """Every change kvcached makes to SGLang, declared once and installed through SGLang's own hooks.
 
-SGLang has a plugin interface (``sglang/srt/plugins``): a general plugin, named in the
-``sglang.srt.plugins`` entry-point group, runs in every SGLang process (the scheduler
-subprocess's ``run_scheduler_process`` calls ``load_plugins`` first) and registers hooks with
-``HookRegistry``: AROUND a function, or REPLACE of a class, which ``_propagate_patch`` also
-rebinds where a module imported it by name. kvcached uses only that: ``PATCHES`` lists each
+SGLang has a plugin interface (``sglang/srt/plugins``): a general plugin runs in every SGLang
+process and registers hooks with ``HookRegistry``. kvcached uses only that: ``PATCHES`` lists each
 target with the SGLang function it relies on, ``check`` refuses in one line an SGLang that moved
 one (before anything is changed), and ``install`` registers the hooks and applies them.
-
-Every AROUND hook looks up the kvcached engine of the object it is called on
-(``engine.engine_of``) and, finding none, calls SGLang's function as it is: pools built while
-kvcached is not enabled stay SGLang's. The class replacement (the allocator) is registered only
-by ``enable``, which a server's plugin calls when kvcached is asked for.
 """
 
 from __future__ import annotations
@@ -275,7 +267,16 @@ def _evictor(tree: Any) -> Any:
 
 def install(*, strict: bool = False) -> None:
     """Register and apply the AROUND hooks of this SGLang's release (idempotent); they act on
-    kvcached's pools only. An untested release is said once, in one line."""
+    kvcached's pools only. An untested release is said once, in one line.
+
+    NOTE: a general plugin, named in the ``sglang.srt.plugins`` entry-point group, runs in every
+    SGLang process (the scheduler subprocess's ``run_scheduler_process`` calls ``load_plugins``
+    first). It registers hooks with ``HookRegistry``: AROUND a function, or REPLACE of a class,
+    which ``_propagate_patch`` also rebinds where a module imported it by name.
+
+    NOTE: every AROUND hook looks up the kvcached engine of the object it is called on
+    (``engine.engine_of``) and, finding none, calls SGLang's function as it is: pools built while
+    kvcached is not enabled stay SGLang's."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     global _installed
@@ -312,7 +313,10 @@ _served: SglangEngine | None = None
 
 
 def enable(config: SglangConfig) -> None:
-    """kvcached under every KV pool this process builds from now on (a server's plugin)."""
+    """kvcached under every KV pool this process builds from now on (a server's plugin).
+
+    NOTE: the class replacement (the allocator) is registered only here, which a server's plugin
+    calls when kvcached is asked for."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from .allocator import KvcachedPagedAllocator, KvcachedTokenAllocator

@@ -1,19 +1,9 @@
 """Where vLLM's KV blocks sit in kvcached's pages: the plan every vLLM process agrees on.
 
-vLLM allocates the KV cache as one buffer cut into per-layer views (``allocate_kv_cache`` in
-``vllm/v1/worker/utils.py``): block ``b`` of layer ``l`` of a tensor starts at ``offset + l *
-layer_stride + b * block_stride``. ``plan`` reads that layout from vLLM's ``KVCacheConfig`` and
-says how kvcached's range holds it: block-outermost (a block packs all layers: one *contiguous*
-region, a page holds whole packed blocks) or layer-outermost (each layer its own region, logical
-page ``p`` mapped in every region at once). Anything else is refused with one line, because a page
-could then hold bytes of blocks that are not all free when the ledger lets it go. The API server
-(its startup checks), the engine core (the manager's geometry) and each worker (its views) compute
-the same plan from the same config, so they agree on which page a block is on without talking;
-that includes the page itself, which is the user's ``KVCACHED_PAGE_SIZE_MB`` or, when that is
-unset and the block does not divide the default page, one ``page_size.choose_page`` picks for the
-backend the pages live on (every process passes the same backend and setting).
-The key naming one server's shared host memory (``server_key``) is made in the API server and
-inherited by every child.
+``plan`` reads vLLM's KV cache layout from its ``KVCacheConfig`` and says how kvcached's range
+holds it, or refuses it with one line. The API server (its startup checks), the engine core (the
+manager's geometry) and each worker (its views) compute the same plan from the same config, so
+they agree on which page a block is on without talking.
 """
 
 from __future__ import annotations
@@ -71,7 +61,20 @@ def plan(kv_cache_config: Any, page_bytes: int, *, backend: str = "cuda", page_s
     ``backend`` ("host" or "cuda") is where the pages live; ``page_set`` says ``page_bytes`` is
     the user's page (``Settings.page_bytes_set``), else it is the default and kvcached may choose
     another that fits the block (``page_size.choose_page``). The defaults take the page as given,
-    as tests and tools that name a page mean it."""
+    as tests and tools that name a page mean it.
+
+    NOTE: vLLM allocates the KV cache as one buffer cut into per-layer views
+    (``allocate_kv_cache`` in ``vllm/v1/worker/utils.py``): block ``b`` of layer ``l`` of a tensor
+    starts at ``offset + l * layer_stride + b * block_stride``. kvcached's range holds it
+    block-outermost (a block packs all layers: one *contiguous* region, a page holds whole packed
+    blocks) or layer-outermost (each layer its own region, logical page ``p`` mapped in every
+    region at once). Anything else is refused with one line, because a page could then hold
+    bytes of blocks that are not all free when the ledger lets it go.
+
+    NOTE: the processes agree on the page itself too: it is the user's ``KVCACHED_PAGE_SIZE_MB``
+    or, when that is unset and the block does not divide the default page, one
+    ``page_size.choose_page`` picks for the backend the pages live on (every process passes the
+    same backend and setting)."""
     return plan_page(kv_cache_config, page_bytes, backend=backend, page_set=page_set)[0]
 
 
@@ -160,7 +163,10 @@ def _layer_page_bytes(kv_cache_config: Any, layer: str) -> int:
 
 
 def server_key() -> str:
-    """The key naming this server's shared KV memory; made once and inherited by child processes."""
+    """The key naming this server's shared KV memory; made once and inherited by child processes.
+
+    NOTE: it names one server's shared host memory; it is made in the API server and inherited
+    by every child."""
     key = os.environ.get(SERVER_KEY_ENV)
     if not key:
         key = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"

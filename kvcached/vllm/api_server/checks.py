@@ -2,21 +2,10 @@
 
 They run where vLLM builds its configuration (the API server, before any engine process
 starts), so a refusal costs a second, not a model load, and reads as one line instead of a
-worker's traceback. There too, as vLLM's ``validate_environ`` does for unknown ``VLLM_*``
-variables, each ``KVCACHED_*`` variable kvcached does not read gets one warning line: a
-misspelt setting would otherwise go unnoticed, its default in force; so does one it reads that
-has no effect under vLLM (``settings.SCOPES``: ``KVCACHED_CONTIGUOUS_LAYOUT``). What they accept is what
-the tests cover: vLLM's CPU build 0.32.0 and vLLM 0.33.0; no KV connector, or
-``OffloadingConnector`` as the only one; tensor parallelism of any size (each rank's KV memory
-lives in its worker, which applies the scheduler's page decisions carried by each step:
-``step_channel``), run by vLLM's multiprocessing, uniprocess or Ray executor, on the CPU build and
-on GPUs alike; data parallelism of any size (each rank is an engine core of its own, with its own
-kvcached engine and files: ``engine_core.ranks.rank_path``); several nodes through vLLM's own
-launch (``--nnodes`` with ``--headless`` workers, or data-parallel ranks on other nodes), a budget
-only where an engine's workers are on one node; pipeline stages of equal layers (``_check_pipeline``);
-the CUDA backend only where a GPU is visible. Checks that need the KV cache layout (a
-block that does not divide a page, an interleaved layout) can only run once vLLM has sized the
-cache; they live in ``kv_layout.plan`` and fail the worker with the same kind of line.
+worker's traceback. What they accept is what the tests cover (``check_config``). Checks that need
+the KV cache layout (a block that does not divide a page, an interleaved layout) can only run
+once vLLM has sized the cache; they live in ``kv_layout.plan`` and fail the worker with the same
+kind of line.
 """
 
 from __future__ import annotations
@@ -54,7 +43,27 @@ def check_config(
 ) -> None:
     """Raise ``ConfigError`` (one line, what to change) for a setup kvcached does not serve; warn,
     one line each, of the ``KVCACHED_*`` variables in ``env`` (the environment) it does not read,
-    and of those it reads that have no effect under vLLM (``settings.SCOPES``)."""
+    and of those it reads that have no effect under vLLM (``settings.SCOPES``).
+
+    NOTE: each ``KVCACHED_*`` variable kvcached does not read gets one warning line, as vLLM's
+    ``validate_environ`` does for unknown ``VLLM_*`` variables: a misspelt setting would otherwise
+    go unnoticed, its default in force. So does one it reads that has no effect under vLLM
+    (``settings.SCOPES``: ``KVCACHED_CONTIGUOUS_LAYOUT``).
+
+    NOTE: what the checks accept is what the tests cover:
+
+    - vLLM's CPU build 0.32.0 and vLLM 0.33.0.
+    - no KV connector, or ``OffloadingConnector`` as the only one.
+    - tensor parallelism of any size (each rank's KV memory lives in its worker, which applies
+      the scheduler's page decisions carried by each step: ``step_channel``), run by vLLM's
+      multiprocessing, uniprocess or Ray executor, on the CPU build and on GPUs alike.
+    - data parallelism of any size (each rank is an engine core of its own, with its own
+      kvcached engine and files: ``engine_core.ranks.rank_path``).
+    - several nodes through vLLM's own launch (``--nnodes`` with ``--headless`` workers, or
+      data-parallel ranks on other nodes), a budget only where an engine's workers are on one
+      node.
+    - pipeline stages of equal layers (``_check_pipeline``).
+    - the CUDA backend only where a GPU is visible."""
     e = os.environ if env is None else env
     for warning in [*unknown_settings(e), *ignored_settings("vllm", e)]:
         log.warning("[kvcached] %s", warning)

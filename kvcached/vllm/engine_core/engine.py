@@ -1,25 +1,11 @@
 """One engine assembly: backends -> manager -> bridge -> page-aware pool, over one recorder.
 
-An *engine*, in kvcached, is kvcached under one vLLM scheduler, which is one vLLM engine core;
-``kvctl list`` lists engines, a budget is shared by engines, the metrics' ``engine`` label names
-one. It is always the same chain: a ledger (with its journal: written inline, or
-by the ledger service's thread), a KV cache manager over the backends that hold the worker's KV
-memory, the bridge on the scheduler's connector and block pool, the page-aware pool, and one
-wrapper around each of the scheduler's KV calls (``scheduler_calls``). The vLLM plugin, the
-real-vLLM scenarios (whose journals are the golden traces) and the benchmarks all build it with
-``assemble``, so a change to the chain is made once; what differs between them is data:
-``EngineConfig``. Every vLLM object the chain changes is checked against the patch table
-(``kvcached.vllm.patches``) before any is changed. The order matters twice: the bridge is
-installed before the page-aware pool, whose prefix-cache reset wraps the bridge's (a reset is
-recorded before the frees it causes), and the manager before the scheduler's wrappers, which
-drain it.
-
-``Engine`` is also the control surface of a running engine (the live service calls it with the
-engine's lock held, so nothing else touches the scheduler meanwhile): ``set_limit_bytes`` and
-``memory`` speak bytes, where a page costs ``page_bytes`` in every layer, region and replica
-(16 MiB for 8 layers of 2 MiB), as do the reserve (``max_reserved_bytes``, ``describe_reserve``)
-and the shared budget (``budget``: ``kvcached.budget``), which the engine joins in ``assemble``
-and leaves in ``close``.
+An *engine*, in kvcached, is kvcached under one vLLM scheduler, which is one vLLM engine core.
+It is always the same chain: a ledger and its journal, a KV cache manager over the backends that
+hold the worker's KV memory, the bridge on the scheduler's connector and block pool, the
+page-aware pool, and one wrapper around each of the scheduler's KV calls (``scheduler_calls``).
+Every caller builds it with ``assemble``, so a change to the chain is made once. ``Engine`` is also
+the control surface of a running engine.
 """
 
 from __future__ import annotations
@@ -87,7 +73,13 @@ class Engine:
     ``kvctl`` request, so a limit or a status report falls between two scheduler calls. A
     served engine also has its ``page_log`` (the decisions the workers are sent) and its
     ``control`` (what ``kvctl`` reaches through the service's live socket). ``close`` ends the
-    journal (not the backends, which belong to whoever made them)."""
+    journal (not the backends, which belong to whoever made them).
+
+    NOTE: ``kvctl list`` lists engines, a budget is shared by engines, the metrics' ``engine``
+    label names one.
+
+    NOTE: it is the control surface of a running engine: the live service calls it with the
+    engine's lock held, so nothing else touches the scheduler meanwhile."""
 
     def __init__(
         self,
@@ -152,7 +144,12 @@ class Engine:
 
     @property
     def page_bytes(self) -> int:
-        """What one page costs: ``page_bytes`` of the geometry in every layer, region, replica."""
+        """What one page costs: ``page_bytes`` of the geometry in every layer, region, replica.
+
+        NOTE: ``set_limit_bytes`` and ``memory`` speak bytes, where a page costs ``page_bytes`` in
+        every layer, region and replica (16 MiB for 8 layers of 2 MiB). So do the reserve
+        (``max_reserved_bytes``, ``describe_reserve``) and the shared budget (``budget``:
+        ``kvcached.budget``), which the engine joins in ``assemble`` and leaves in ``close``."""
         return self._paged()[0].page_cost
 
     def set_limit_bytes(self, n: int | None) -> AllocatorState:
@@ -275,6 +272,16 @@ def assemble(
     connector, if it has one, must be vLLM's OffloadingConnector. ``page_log``: where the
     backends write their decisions (a served engine's ``DecisionBackend`` objects), attached
     to each ``SchedulerOutput``. Every vLLM attribute the engine changes is checked first.
+
+    NOTE: the vLLM plugin, the real-vLLM scenarios (whose journals are the golden traces) and the
+    benchmarks all build the engine here; what differs between them is data: ``EngineConfig``.
+    The ledger's journal is written inline, or by the ledger service's thread.
+
+    NOTE: every vLLM object the chain changes is checked against the patch table
+    (``kvcached.vllm.patches``) before any is changed (``check_targets``). The order matters
+    twice: the bridge is installed before the page-aware pool, whose prefix-cache reset wraps the
+    bridge's (a reset is recorded before the frees it causes), and the manager before the
+    scheduler's wrappers, which drain it.
     """
     if config.page_aware and not backends:
         raise ConfigError("engine: a page-aware pool needs at least one backend")

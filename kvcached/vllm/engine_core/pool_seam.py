@@ -2,22 +2,10 @@
 
 The page-aware pool (``block_pool``) decides which free blocks vLLM hands out and lets vLLM's
 own ``BlockPool`` code do the handing out, so that it copies none of it. Two things that code
-offers no public name for are used here, and declared with the names the seam relies on in the
-patch table's ``RELIED_ON`` (``kvcached.vllm.patches``), so that a vLLM upgrade that changes them is
-refused at engine build and fails ``tests/vllm_scheduler/test_patches.py``:
-
-* the seam: ``BlockPool.get_new_blocks(n)`` hands out the first ``n`` blocks of its public
-  ``free_block_queue`` (``FreeKVCacheBlockQueue.popleft_n``), in queue order. kvcached moves the
-  blocks it chose to the head of that queue (``remove``, ``prepend_n``, both public; skipped for
-  those that lead it already, read from the queue's links, ``_to_move``), then calls
-  vLLM's method, which drops their prefix-cache hashes, tells reuse watchers, counts
-  references and metrics as it always does (``hand_out`` checks that it got what it chose);
-* the private names: giving the pages of cached blocks back beyond ``KVCACHED_MAX_CACHED_TOKENS``
-  evicts them without handing them out, and vLLM's public ``evict_blocks`` does not tell the
-  watchers that ``unpin_blocks`` registered (vLLM's HiSparse reads such a block until it is
-  reused). ``notify_reuse`` does what ``get_new_blocks`` and ``reset_prefix_cache`` do for that,
-  through ``BlockPool._reuse_watchers`` and ``BlockPool._notify_reuse`` (vLLM 0.32 and 0.33,
-  ``vllm/v1/core/block_pool.py``).
+offers no public name for are used here (``hand_out``, ``notify_reuse``), and declared with the
+names the seam relies on in the patch table's ``RELIED_ON`` (``kvcached.vllm.patches``), so that
+a vLLM upgrade that changes them is refused at engine build and fails
+``tests/vllm_scheduler/test_patches.py``.
 """
 
 from __future__ import annotations
@@ -55,6 +43,13 @@ def hand_out(
     item a block of the pool, left so; a list, whose items mypyc reads and sets natively) let
     it find the blocks that lead the queue out of order; without them only those leading it in
     order stay.
+
+    NOTE: the seam: ``BlockPool.get_new_blocks(n)`` hands out the first ``n`` blocks of its
+    public ``free_block_queue`` (``FreeKVCacheBlockQueue.popleft_n``), in queue order. kvcached
+    moves the blocks it chose to the head of that queue (``remove``, ``prepend_n``, both public;
+    skipped for those that lead it already, read from the queue's links, ``_to_move``). Then it
+    calls vLLM's method, which drops their prefix-cache hashes, tells reuse watchers, counts
+    references and metrics as it always does (``hand_out`` checks that it got what it chose).
     """
     if not blocks:
         return []
@@ -136,6 +131,13 @@ def _to_move(
 
 
 def notify_reuse(pool: Any, blocks: Sequence[Any]) -> None:
-    """Tell the watchers of ``blocks`` (``unpin_blocks``' ``on_reuse``) that their bytes go."""
+    """Tell the watchers of ``blocks`` (``unpin_blocks``' ``on_reuse``) that their bytes go.
+
+    NOTE: the private names: giving the pages of cached blocks back beyond
+    ``KVCACHED_MAX_CACHED_TOKENS`` evicts them without handing them out, and vLLM's public
+    ``evict_blocks`` does not tell the watchers that ``unpin_blocks`` registered (vLLM's HiSparse
+    reads such a block until it is reused). This does what ``get_new_blocks`` and
+    ``reset_prefix_cache`` do for that, through ``BlockPool._reuse_watchers`` and
+    ``BlockPool._notify_reuse`` (vLLM 0.32 and 0.33, ``vllm/v1/core/block_pool.py``)."""
     if pool._reuse_watchers:
         pool._notify_reuse(blocks)

@@ -4,16 +4,7 @@ vLLM's own ``CPUOffloadingSpec`` refuses to build its worker without CUDA (its w
 streams, events and a copy kernel), so on a CPU-only machine the OffloadingConnector can plan
 transfers but nothing ever copies a byte, and a freed-block copy cannot be observed. This spec
 keeps vLLM's scheduler-side manager and sizing (it subclasses ``CPUOffloadingSpec``) and swaps in
-``KvcachedCPUOffloadingWorker``, which copies blocks between the KV tensors that the worker
-connector registers and private host tensors by advanced indexing. The timing follows vLLM's
-worker contract, not our convenience: a store's bytes are read when ``submit_store`` is called
-(the worker connector defers that to the start of the next engine step), a load's bytes are
-written when ``submit_load`` is called, and completion is reported only through ``get_finished``,
-which the worker connector turns into ``OffloadingWorkerMetadata.completed_jobs``. A worker can be
-told to report ``delay_steps`` steps late (one ``get_finished`` call per engine step), and then by
-default also to copy only when it reports, the latest moment a real asynchronous DMA may touch
-the memory; ``wait`` forces pending copies, as vLLM's flush of reallocated blocks does. The copy
-function and post-copy observers are attributes, so a harness can watch or replace them.
+``KvcachedCPUOffloadingWorker``.
 """
 
 from __future__ import annotations
@@ -118,6 +109,20 @@ class KvcachedCPUOffloadingWorker(OffloadingWorker):  # type: ignore[misc,unused
 
     ``tick`` counts ``get_finished`` calls: the worker connector makes exactly one per engine
     step, so a job submitted in step N with ``delay_steps = d`` is reported in step N + d.
+
+    NOTE: it copies blocks between the KV tensors that the worker connector registers and
+    private host tensors by advanced indexing. The timing follows vLLM's worker contract, not our
+    convenience: a store's bytes are read when ``submit_store`` is called (the worker connector
+    defers that to the start of the next engine step), a load's bytes are written when
+    ``submit_load`` is called. Completion is reported only through ``get_finished``, which the
+    worker connector turns into ``OffloadingWorkerMetadata.completed_jobs``.
+
+    NOTE: a worker can be told to report ``delay_steps`` steps late (one ``get_finished`` call
+    per engine step), and then by default also to copy only when it reports
+    (``copy_at_completion``), the latest moment a real asynchronous DMA may touch the memory.
+    ``wait`` forces pending copies, as vLLM's flush of reallocated blocks does. The copy function
+    and post-copy observers are attributes (``copy_fn``, ``observers``), so a harness can watch
+    or replace them.
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> None:
