@@ -347,8 +347,9 @@ class Harness:
         return MappingProxyType(self._job_req)
 
     def layer_views(self, rank: int, group: int) -> Sequence[torch.Tensor]:
-        """One rank's KV tensors of one KV cache group, a view per layer."""
-        return tuple(self._layer_views[rank][group])
+        """One rank's KV tensors of one KV cache group, a view per layer (the harness's own list,
+        read-only by its type: kvsim's byte checks ask for it on every copy and forward)."""
+        return self._layer_views[rank][group]
 
     def busy(self) -> bool:
         return bool(self.scheduler.has_requests()) or bool(self._in_flight)
