@@ -509,6 +509,11 @@ class Budget:
     def usage(self) -> BudgetUsage:
         return _usage(self.name, self._files)
 
+    def share(self) -> int:
+        """The bytes this engine holds, as the budget's file says (0 if its share was dropped)."""
+        state = self._files.read_locked()
+        return next((s.bytes for s in state.shares if self._mine(s)), 0)
+
     def close(self) -> None:
         """Give back this engine's share (all of it) and leave the budget; once."""
         if self._closed:

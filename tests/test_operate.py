@@ -135,6 +135,7 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
         offloading = True
         wake = None
         budget = None  # no KVCACHED_BUDGET
+        page_log = None  # no step channel: the manager's backend holds the memory
 
         def set_limit_bytes(self, n: int | None) -> None:
             manager.set_limit_pages(manager.geometry.num_pages if n is None else n // PAGE)

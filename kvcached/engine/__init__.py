@@ -4,7 +4,8 @@
 of the settings both plugins use; ``control``: the memory report kvctl gets and the floor a
 limit may not go below unforced; ``releases``: the engine releases kvcached was tested on, the
 range of releases a patch target holds for, and the one check a starting engine makes of its
-release; ``reserve``: the bounds of the empty pages an engine keeps mapped. Each wing
+release; ``targets``: the one record of a patch target both tables' rows extend, and the one
+check of a table; ``reserve``: the bounds of the empty pages an engine keeps mapped. Each wing
 (``kvcached.vllm``, ``kvcached.sglang``) keeps its own patch table and imports this package; this
 package imports no wing.
 """

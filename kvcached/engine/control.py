@@ -47,15 +47,27 @@ def memory_status(
     )
 
 
-def with_budget(status: MemoryStatus, budget: Budget | None) -> MemoryStatus:
-    """The report with the shared budget's size and use, read from its file.
+def with_budget(status: MemoryStatus, budget: Budget | None, *, unapplied: int = 0) -> MemoryStatus:
+    """The report with the shared budget's size and use, and this engine's share, read from its
+    file; ``unapplied``: bytes of unmaps the engine's workers have not confirmed yet.
 
     NOTE: call it outside the engine's lock: the budget is a file other engines lock too, and a
     step of this engine must not wait on another engine's lock holder."""
     if budget is None:
         return status
     u = budget.usage()
-    return msgspec.structs.replace(status, budget=BudgetStatus(name=u.name, size=u.size, used=u.used))
+    b = BudgetStatus(name=u.name, size=u.size, used=u.used, share=budget.share(), unapplied=unapplied)
+    return msgspec.structs.replace(status, budget=b)
+
+
+def floor(need_pages: int, need_why: str, min_bytes: int, page_cost: int) -> tuple[int, str]:
+    """The least limit set unforced, in pages, and what it is made of: what the engine needs to
+    serve (``need_pages``, for ``need_why``), raised to ``KVCACHED_MIN_KV_CACHE_MB``'s
+    ``min_bytes`` (upstream kvcached's model-aware minimum) where that is more."""
+    extra = -(-min_bytes // page_cost) if min_bytes else 0
+    if extra > need_pages:
+        return extra, f"KVCACHED_MIN_KV_CACHE_MB is {min_bytes / (1 << 20):g}" + (f"; {need_why}" if need_why else "")
+    return need_pages, need_why
 
 
 def refuse_below_floor(size: int | None, force: bool, page_cost: int, floor_pages: int, floor_why: str) -> None:

@@ -134,6 +134,10 @@ class BudgetStatus(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     size: int | None  # bytes; None: unbounded
     used: int  # bytes granted to every engine on it
+    share: int = 0  # of which this engine holds (its maps, a count's lease, unmaps not yet applied)
+    # Bytes of pages this engine unmapped that its workers have not yet confirmed unmapped: they
+    # go back to the budget then (vLLM's step channel: ``step_channel.DeferredRelease``).
+    unapplied: int = 0
 
 
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,6 +18,7 @@ from ..backends import cuda_visible, make_backend
 from ..backends.base import Backend
 from ..budget import Budget
 from ..engine.config import CoreConfig
+from ..engine.control import floor
 from ..errors import ConfigError
 from ..kv_cache_manager import KVCacheManager, KVGeometry, Layout
 from ..ledger.events import Header
@@ -146,12 +147,9 @@ class SglangEngine:
         )
         self.budget: Budget | None = None
         page_cost = g.page_bytes * g.regions
-        # The pages it yields down to: KVCACHED_MIN_KV_CACHE_MB's, and the padding page at least.
-        self.floor_pages = max(1, -(-config.min_kv_cache_bytes // page_cost))
-        floor_why = (
-            f"KVCACHED_MIN_KV_CACHE_MB is {config.min_kv_cache_bytes / (1 << 20):g}"
-            if self.floor_pages > 1
-            else "SGLang's padding slot 0 keeps its page"
+        # The pages it yields down to: the padding page at least, KVCACHED_MIN_KV_CACHE_MB's if more.
+        self.floor_pages, floor_why = floor(
+            1, "SGLang's padding slot 0 keeps its page", config.min_kv_cache_bytes, page_cost
         )
         reserve = config.reserve_pages(page_cost)
         self.service: BackgroundService | None = None

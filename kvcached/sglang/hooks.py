@@ -9,16 +9,14 @@ one (before anything is changed), and ``install`` registers the hooks and applie
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import pkgutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Final
-
-import msgspec
+from typing import Any, ClassVar, Final
 
 from ..engine.releases import Releases
+from ..engine.targets import Target, present
 from ..errors import ConfigError
 from ..ledger.events import JobKind
 from .boundary import refusing
@@ -32,23 +30,23 @@ KNOWN: Final = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
 SGLANG: Final = Releases("SGLang", KNOWN)
 
 
-class Patch(msgspec.Struct, frozen=True):
-    """``module.owner.attr``, wrapped AROUND (``attr``) or REPLACEd (a class: ``owner`` None), for
-    the releases from ``since`` up to, not including, ``until`` (``kvcached.engine.releases``)."""
+class Patch(Target, frozen=True, kw_only=True):
+    """A target of SGLang's (``kvcached.engine.targets.Target``) with one attribute: wrapped
+    AROUND, or REPLACEd where it is a class (``owner`` None), through SGLang's ``HookRegistry``."""
 
-    module: str
-    owner: str | None
-    attr: str
-    why: str
+    RELEASES: ClassVar[Releases] = SGLANG
+
     since: str = SGLANG.oldest
-    until: str | None = None
 
     @property
     def target(self) -> str:
-        return ".".join(x for x in (self.module, self.owner, self.attr) if x)
+        (target,) = self.targets()
+        return target
 
-    def holds_for(self, version: str) -> bool:
-        return SGLANG.holds(self.since, self.until, version)
+    @property
+    def attr(self) -> str:
+        (attr,) = self.attrs
+        return attr
 
 
 _POOL = "sglang.srt.mem_cache.memory_pool"
@@ -60,51 +58,55 @@ _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker"
 
 PATCHES: Final = (
     Patch(
-        _POOL,
-        "MHATokenToKVPool",
-        "_create_buffers_normal",
-        "allocates the per-layer K and V tensors (torch.zeros); kvcached's are views of its page range",
+        module=_POOL,
+        owner="MHATokenToKVPool",
+        attrs=("_create_buffers_normal",),
+        why="allocates the per-layer K and V tensors (torch.zeros); kvcached's are views of its page range",
     ),
     Patch(
-        _POOL,
-        "MLATokenToKVPool",
-        "_create_buffers",
-        "allocates the per-layer latent tensors of MLA (kv_buffer, torch.zeros); kvcached's are views of its range",
+        module=_POOL,
+        owner="MLATokenToKVPool",
+        attrs=("_create_buffers",),
+        why="allocates the per-layer latent tensors of MLA (kv_buffer, torch.zeros); kvcached's are views of its range",
     ),
     Patch(
-        _L2,
-        "L2TransferEngine",
-        "submit_device_to_host",
-        "HiCacheController.start_writing's one D->H copy submission; its TransferCompletion.finish_event is the ack",
+        module=_L2,
+        owner="L2TransferEngine",
+        attrs=("submit_device_to_host",),
+        why="HiCacheController.start_writing's one D->H copy submission; its TransferCompletion.finish_event "
+        "is the ack",
     ),
     Patch(
-        _L2, "L2TransferEngine", "submit_host_to_device", "HiCacheController.start_loading's one H->D copy submission"
+        module=_L2,
+        owner="L2TransferEngine",
+        attrs=("submit_host_to_device",),
+        why="HiCacheController.start_loading's one H->D copy submission",
     ),
     Patch(
-        _SCHEDULER,
-        "Scheduler",
-        "get_next_batch_to_run",
-        "one scheduler step; it starts by draining HiCache's acks (_process_hicache_events)",
+        module=_SCHEDULER,
+        owner="Scheduler",
+        attrs=("get_next_batch_to_run",),
+        why="one scheduler step; it starts by draining HiCache's acks (_process_hicache_events)",
     ),
     Patch(
-        _CHECKER,
-        "SchedulerInvariantChecker",
-        "_check_all_pools",
-        "Scheduler.on_idle's leak check (total == available + evictable + ...); under a limit or a budget "
+        module=_CHECKER,
+        owner="SchedulerInvariantChecker",
+        attrs=("_check_all_pools",),
+        why="Scheduler.on_idle's leak check (total == available + evictable + ...); under a limit or a budget "
         "available_size is what may be mapped, so the check gets every free slot, as SGLang gives it for "
         "its sharded allocators (aggregate_free_size)",
     ),
     Patch(
-        _TOKEN,
-        None,
-        "TokenToKVPoolAllocator",
-        "KVCacheConfigurator._build_token_to_kv_pool_allocator builds it for page_size 1",
+        module=_TOKEN,
+        owner=None,
+        attrs=("TokenToKVPoolAllocator",),
+        why="KVCacheConfigurator._build_token_to_kv_pool_allocator builds it for page_size 1",
     ),
     Patch(
-        _PAGED,
-        None,
-        "PagedTokenToKVPoolAllocator",
-        "KVCacheConfigurator._build_token_to_kv_pool_allocator builds it for page_size > 1 (unless the platform "
+        module=_PAGED,
+        owner=None,
+        attrs=("PagedTokenToKVPoolAllocator",),
+        why="KVCacheConfigurator._build_token_to_kv_pool_allocator builds it for page_size > 1 (unless the platform "
         "names its own: get_paged_allocator_cls, refused at the first step)",
     ),
 )
@@ -112,8 +114,13 @@ PATCHES: Final = (
 # What kvcached calls in SGLang without patching it (checked as the patches are).
 _TREE = "sglang.srt.mem_cache.base_prefix_cache"
 CALLED: Final = (
-    Patch(_TREE, "BasePrefixCache", "evict", "a kvctl limit evicts the tree's cached nodes over it (LRU first)"),
-    Patch(_TREE, None, "EvictParams", "evict's argument (num_tokens)"),
+    Patch(
+        module=_TREE,
+        owner="BasePrefixCache",
+        attrs=("evict",),
+        why="a kvctl limit evicts the tree's cached nodes over it (LRU first)",
+    ),
+    Patch(module=_TREE, owner=None, attrs=("EvictParams",), why="evict's argument (num_tokens)"),
 )
 
 
@@ -126,26 +133,23 @@ def check(*, strict: bool = False) -> str | None:
 
 def _check(version: str, *, strict: bool) -> str | None:
     untested = SGLANG.check(version, strict=strict) if version != _UNKNOWN else None
-    for p in _holding((*PATCHES, *CALLED), version):
-        try:
-            owner: Any = importlib.import_module(p.module)
-            if p.owner is not None:
-                owner = getattr(owner, p.owner)
-            getattr(owner, p.attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(
-                f"kvcached cannot run under SGLang {version}: {p.target} is missing ({e}); "
-                f"known to work: SGLang {', '.join(KNOWN)}"
-            ) from None
+    present((*PATCHES, *CALLED), version, lambda row, target: _refusal(version, row, target))
     return untested
+
+
+def _refusal(version: str, row: Patch, target: str) -> ConfigError:
+    return ConfigError(
+        f"kvcached cannot run under SGLang {version}: {target} is missing (known for SGLang {row.range}); "
+        f"known to work: SGLang {', '.join(KNOWN)}"
+    )
 
 
 _UNKNOWN: Final = "(unknown version)"
 
 
 def _holding(rows: tuple[Patch, ...], version: str) -> list[Patch]:
-    """The rows that hold for ``version`` (all of them where SGLang's version cannot be read)."""
-    return [p for p in rows if version == _UNKNOWN or p.holds_for(version)]
+    """The rows that hold for ``version``."""
+    return [p for p in rows if p.holds_for(version)]
 
 
 def _version() -> str:

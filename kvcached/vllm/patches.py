@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import enum
 import importlib
-import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
-
-import msgspec
+from typing import Any, ClassVar, Final
 
 from ..engine.releases import Releases
+from ..engine.targets import Target, present
 from ..errors import ConfigError
 
 # Each replacement carries one sentinel: a wrapper function names its patch, and a patched vLLM
@@ -70,44 +68,22 @@ class How(enum.Enum):
     READ = "read"  # only read (``RELIED_ON``): a name kvcached uses beyond vLLM's public methods
 
 
-class Patch(msgspec.Struct, frozen=True, kw_only=True):
-    """One change to vLLM: ``module.owner.attr`` for each of ``attrs``.
+class Patch(Target, frozen=True, kw_only=True):
+    """One change to vLLM (``kvcached.engine.targets.Target``): what the log and the errors call
+    it, the vLLM process it runs in, how and when it is installed."""
 
-    NOTE: this is upstream kvcached's ``integration/patch_base.py`` idea (``BasePatch``: a
-    library, a target, ``can_apply``; ``version_utils.version_range``) kept as data. It is a
-    frozen record per change in one table, not a class per patch, so the whole surface is one
-    screen to read before a vLLM upgrade.
-    """
+    RELEASES: ClassVar[Releases] = VLLM
 
-    name: str  # what the log and the errors call it
-    process: str  # the vLLM process it runs in
-    module: str
-    owner: str | None  # the class; None: a module attribute
-    attrs: tuple[str, ...]
+    name: str
+    process: str
     how: How
     when: When
-    why: str  # the vLLM function or upstream change it relies on
-    # The releases the target holds for: from ``since`` up to, not including, ``until`` (None:
-    # still there in the newest tested). A target that moved is two rows, one range each, as
-    # upstream kvcached's ``version_range``; which one applies is read here, not in the code.
     since: str = OLDEST
-    until: str | None = None
-    optional: bool = False  # a target some vLLM builds lack: skipped there, not refused
-    loaded_only: bool = False  # changed only in a process that has imported the module already
     # ``module:function`` making a process-wide replacement: ``factory(original, context)``.
     factory: str | None = None
 
-    def holds_for(self, version: str) -> bool:
-        return VLLM.holds(self.since, self.until, version)
-
-    @property
-    def range(self) -> str:
-        """``0.32.0 to 0.33.x`` or ``0.34.0 on``: what a refusal names."""
-        return VLLM.span(self.since, self.until)
-
-    def targets(self) -> list[str]:
-        where = f"{self.module}.{self.owner}" if self.owner else self.module
-        return [f"{where}.{a}" for a in self.attrs]
+    def checked(self) -> tuple[str, ...]:
+        return () if self.how is How.ADDED else self.attrs  # vLLM has no such attribute: the owner must be there
 
 
 _CORE = "vllm.v1.core.sched.scheduler"
@@ -471,18 +447,9 @@ def holding(*names: str) -> Patch:
     version = vllm_version()
     for name in names:
         p = by_name(name)
-        if _applies(p, version):
+        if p.holds_for(version):
             return p
     raise PatchError(f"kvcached does not know this vLLM ({version}): none of {', '.join(names)} holds for it")
-
-
-def _applies(patch: Patch, version: str) -> bool:
-    """Whether ``patch``'s range holds ``version``; a version that cannot be read (a stand-in's)
-    is taken as the newest."""
-    try:
-        return patch.holds_for(version)
-    except ConfigError:
-        return patch.until is None
 
 
 def on_cpu() -> bool:
@@ -509,57 +476,14 @@ def _refusal(patch: Patch, target: str) -> PatchError:
     )
 
 
-def _owner(patch: Patch) -> Any | None:
-    """The module or class a process-wide patch changes; None for an optional one that is absent."""
-    if patch.loaded_only:
-        module = sys.modules.get(patch.module)
-        if module is None:
-            return None
-        return _attr_owner(patch, module)
-    try:
-        module = importlib.import_module(patch.module)
-    except ImportError:
-        if patch.optional:
-            return None
-        raise _refusal(patch, patch.module) from None
-    return _attr_owner(patch, module)
-
-
-def _attr_owner(patch: Patch, module: Any) -> Any | None:
-    if patch.owner is None:
-        return module
-    owner = getattr(module, patch.owner, None)
-    if owner is None and not patch.optional:
-        raise _refusal(patch, f"{patch.module}.{patch.owner}")
-    return owner
-
-
 def check(patches: Iterable[Patch]) -> list[tuple[Patch, Any]]:
-    """Every target of ``patches`` (process-wide ones), found or refused; returns (patch, owner)
-    for those present, in order. Changes nothing.
+    """Every target of ``patches`` (process-wide ones) that holds for this vLLM, found or
+    refused; returns (patch, owner) for those present, in order. Changes nothing.
 
     NOTE: each installer first checks every target of what it is about to install, so that a
     vLLM which moved one refuses in one line naming the target and the version found, before
     anything has changed."""
-    found = []
-    version = vllm_version()
-    for p in patches:
-        if not _applies(p, version):
-            continue
-        owner = _owner(p)
-        if owner is None:
-            continue
-        if p.how is How.ADDED:  # vLLM has no such attribute: the class is what must be there
-            found.append((p, owner))
-            continue
-        for attr, target in zip(p.attrs, p.targets(), strict=True):
-            if not hasattr(owner, attr):
-                if p.optional:
-                    break
-                raise _refusal(p, target)
-        else:
-            found.append((p, owner))
-    return found
+    return present(patches, vllm_version(), _refusal)
 
 
 def _factory(patch: Patch) -> Callable[..., Any]:

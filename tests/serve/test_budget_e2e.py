@@ -119,11 +119,23 @@ def test_kvctls_own_wakeup_lets_an_idle_engine_reach_its_limit(served: dict[str,
     assert not seen["b_status_limited_poked"], seen["b_status_limited_idle"]["memory"]
 
 
+def test_a_limited_engines_unmaps_go_back_to_the_budget(served: dict[str, Any]) -> None:
+    """B's share falls to its limit once its workers applied the unmaps (``DeferredRelease``),
+    idle as it is: no later step carries them."""
+    seen = served["run"].seen
+    b = seen["b_status_share_back"]["memory"]
+    assert seen["b_share_back_after_s"] is not None, ("B's share stayed over its limit", b)
+    print(f"B's share was back within its limit {seen['b_share_back_after_s']:.2f} s after it was reached")
+    assert b["budget"]["unapplied"] == 0, b
+
+
 def test_a_sigkilled_engines_share_is_mapped_by_the_other(served: dict[str, Any]) -> None:
     run: elastic.ElasticRun = served["run"]
     seen = run.seen
     before = seen["before_kill"]
-    assert before.share["A"] >= 48 * MiB, before  # A held pages when it was killed
+    # A held pages when it was killed (what both held then, for a failure: their budget rows)
+    states = {n: seen[f"{n}_status_a_filled"]["memory"]["budget"] for n in "ab"}
+    assert before.share["A"] >= 48 * MiB, (before, states)
     assert seen["b_mapped_dead_share_after_s"] is not None, (
         f"B did not map beyond {seen['b_share_wanted'] // MiB} MiB within {elastic.KILL_BOUND_S} s of A's SIGKILL"
     )

@@ -8,19 +8,28 @@ serves with one warning line, or is refused under ``KVCACHED_STRICT_VERSIONS=1``
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from kvcached.engine.targets import Target
 from kvcached.errors import ConfigError
 from kvcached.settings import Settings
 from kvcached.sglang import engine, hooks
 from kvcached.sglang.plugin import config_from
 
 INSTALLED = engine.sglang_version()
-MISSING = hooks.Patch("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool", "_not_there", "a planted row")
+MISSING = hooks.Patch(
+    module="sglang.srt.mem_cache.memory_pool", owner="MHATokenToKVPool", attrs=("_not_there",), why="a planted row"
+)
 
 
 def _as(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(engine, "sglang_version", lambda: version)
+
+
+def test_the_table_is_rows_of_the_engine_neutral_record() -> None:
+    assert all(isinstance(p, Target) for p in (*hooks.PATCHES, *hooks.CALLED))
+    assert hooks.Patch.RELEASES is hooks.SGLANG
 
 
 def test_the_installed_release_is_tested_and_has_every_target() -> None:
@@ -49,7 +58,7 @@ def test_a_newer_untested_release_warns_or_under_strict_is_refused(monkeypatch: 
 def test_a_row_is_checked_only_for_the_releases_it_holds_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """A target SGLang lacks, in a row for releases after the installed one: not checked here; the
     same row on a release it holds for: refused, naming the target."""
-    future = hooks.Patch(MISSING.module, MISSING.owner, MISSING.attr, MISSING.why, since="0.6.0")
+    future = msgspec.structs.replace(MISSING, since="0.6.0")
     monkeypatch.setattr(hooks, "PATCHES", (*hooks.PATCHES, future))
     assert hooks.check() is None
     _as(monkeypatch, "0.6.0")
@@ -58,7 +67,7 @@ def test_a_row_is_checked_only_for_the_releases_it_holds_for(monkeypatch: pytest
 
 
 def test_a_row_that_ended_before_this_release_is_not_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    past = hooks.Patch(MISSING.module, MISSING.owner, MISSING.attr, MISSING.why, until="0.5.20")
+    past = msgspec.structs.replace(MISSING, until="0.5.20")
     monkeypatch.setattr(hooks, "PATCHES", (*hooks.PATCHES, past))
     assert hooks.check() is None
     monkeypatch.setattr(hooks, "PATCHES", (*hooks.PATCHES, MISSING))

@@ -138,6 +138,12 @@ def status_rows(s: messages.StatusReply) -> list[tuple[str, str]]:
         if m.floor_pages:
             rows.append(("floor", f"{format_size(m.floor_bytes)}: {m.floor_why} (kvctl limit --force goes below)"))
         rows.append(("shrink", m.reason if m.shrink_pending else "none pending"))
+        b = m.budget
+        if b is not None:
+            size = "no bound" if b.size is None else format_size(b.size)
+            waits = f" ({format_size(b.unapplied)} of unmaps its workers have not applied yet)" if b.unapplied else ""
+            used = f"{format_size(b.used)} used of {size}"
+            rows.append(("budget", f"{b.name}: {used}, {format_size(b.share)} by this engine{waits}"))
     if s.pinned_by_kind:
         rows.append(("pinned by", ", ".join(f"{k} {n}" for k, n in sorted(s.pinned_by_kind.items()))))
     if s.violations_by_invariant:

@@ -16,7 +16,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ...engine.control import engine_info as core_engine_info
-from ...engine.control import memory_status, refuse_below_floor, with_budget
+from ...engine.control import floor, memory_status, refuse_below_floor, with_budget
 from ...service.messages import EngineInfo, MemoryStatus
 from .ranks import data_parallel_size, engine_index
 
@@ -41,7 +41,9 @@ class LiveControl:
     def memory(self) -> MemoryStatus:
         with self.lock:
             status = self._status()
-        return with_budget(status, self.engine.budget)  # outside the lock (with_budget's NOTE)
+        log = self.engine.page_log
+        unapplied = 0 if log is None else log.held_bytes
+        return with_budget(status, self.engine.budget, unapplied=unapplied)  # outside the lock (with_budget's NOTE)
 
     def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus:
         """Sets the memory limit to ``size`` bytes, rounded down to whole pages (None: no limit),
@@ -113,10 +115,7 @@ def request_floor(scheduler: Any, blocks_per_page: int, page_cost: int, min_byte
         blocks += need
     pages = -(-blocks // max(1, blocks_per_page))
     why = f"one request of max_model_len {max_len:,} needs {blocks:,} blocks on {pages:,} pages" if blocks else ""
-    extra = -(-min_bytes // page_cost) if min_bytes else 0
-    if extra > pages:
-        pages, why = extra, f"KVCACHED_MIN_KV_CACHE_MB is {min_bytes / (1 << 20):g}" + (f"; {why}" if why else "")
-    return pages, why
+    return floor(pages, why, min_bytes, page_cost)
 
 
 def engine_info(

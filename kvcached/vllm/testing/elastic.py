@@ -304,7 +304,14 @@ def run_elastic(
 
         sampler.phase = "B limited"
         limit_idle(runtime, pids["B"], b, f"{B_IDLE_LIMIT // MiB}M", run.seen, "b_status_limited")
+        # What A fills into: B's unmaps are back in the budget once its workers applied them.
+        t0 = time.monotonic()
+        back = sampler.wait_for(lambda s: s.share.get("B", 0) <= B_IDLE_LIMIT, IDLE_LIMIT_S)
+        run.seen["b_share_back_after_s"] = None if back is None else time.monotonic() - t0
+        run.seen["b_status_share_back"] = _status(runtime, pids["B"])
         run.seen["a_filled"] = phase("A fills", a)
+        run.seen["b_status_a_filled"] = _status(runtime, pids["B"])
+        run.seen["a_status_a_filled"] = _status(runtime, pids["A"])
         kvctl(runtime, "limit", str(pids["B"]), "none", "--json")
         before = sampler.sample()
         run.seen["before_kill"] = before
