@@ -10,6 +10,9 @@ step, idle engines through ``collective_rpc``) is tests/serve/test_tp_e2e.py's.
 from __future__ import annotations
 
 import pickle
+import threading
+import time
+import types
 import uuid
 
 import pytest
@@ -20,7 +23,7 @@ from kvcached.budget import Budget, budget_usage  # noqa: E402
 from kvcached.errors import BackendError, ConfigError  # noqa: E402
 from kvcached.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvcached.vllm import kv_layout, step_channel  # noqa: E402
-from kvcached.vllm.engine_core import step_sender  # noqa: E402
+from kvcached.vllm.engine_core import control, step_sender  # noqa: E402
 from kvcached.vllm.worker import kv_memory, step_receiver  # noqa: E402
 
 PAGE = 1 << 20
@@ -185,3 +188,47 @@ def test_after_warm_up_a_worker_holds_what_was_decided_and_says_so(ranks, caplog
         bad.apply(message)
     msg = str(e.value)
     assert "\n" not in msg and "has 7 page slots mapped, the scheduler decided 6" in msg, msg
+
+
+def test_a_batch_is_due_for_kept_bytes_alone_and_goes_with_the_next_take() -> None:
+    """Budget bytes kept for unmaps make a batch due even with no decision left to send (an
+    idle engine's flush asks ``pending``), so they are never kept past the next take."""
+    log = step_channel.PageLog(8)
+    assert not log.pending and log.due_for(time.monotonic()) == 0.0
+    log.hold(3 * PAGE)
+    t0 = time.monotonic()
+    assert log.pending and log.due_for(t0 + 5) >= 5
+    log.record(~1)
+    assert log.due_for(t0 + 5) >= 5  # due since the first, not the latest
+    assert log.take() == (1, 8, ~1) and not log.pending and log.held_bytes == 3 * PAGE
+    log.hold(PAGE)
+    assert log.take() == (2, 8) and log.applied(2) == 4 * PAGE and not log.pending
+
+
+def test_the_tick_wakes_an_engine_core_whose_decisions_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine core blocked on its input queue sends its decisions only when woken; the
+    ledger service's tick wakes it once they have waited ``STALE_BATCH_S``, and not before."""
+    woken: list[bool] = []
+
+    class Engine:  # what LiveControl.tick reads of engine_core.engine.Engine
+        lock = threading.RLock()
+        page_log = step_channel.PageLog(8)
+        budget = None
+        manager = None
+
+        def wake(self) -> None:
+            woken.append(True)
+
+    engine = Engine()
+    live = control.LiveControl(engine, None, PAGE)  # type: ignore[arg-type]
+    live.tick()
+    engine.page_log.record(~0)
+    live.tick()
+    assert not woken  # just decided: on its way with a step or a flush
+    later = time.monotonic() + control.STALE_BATCH_S + 1
+    monkeypatch.setattr(control, "time", types.SimpleNamespace(monotonic=lambda: later))
+    live.tick()
+    assert woken == [True]
+    engine.page_log.take()
+    live.tick()
+    assert woken == [True]

@@ -11,6 +11,7 @@ once its batch is applied (``DeferredRelease``).
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Final
 
 from ..errors import ConsistencyError
@@ -56,15 +57,20 @@ class PageLog:
         # yet known applied: (seq, bytes), oldest first (``DeferredRelease``).
         self._held = 0
         self._unapplied: list[tuple[int, int]] = []
+        self._due_since: float | None = None  # monotonic time the batch to take became non-empty
 
     def record(self, op: int) -> None:
         with self._lock:
             self._ops.append(op)
+            if self._due_since is None:
+                self._due_since = time.monotonic()
 
     def hold(self, nbytes: int) -> None:
         """Keep ``nbytes`` of budget for the unmaps recorded so far, until their batch is applied."""
         with self._lock:
             self._held += nbytes
+            if nbytes and self._due_since is None:
+                self._due_since = time.monotonic()
 
     @property
     def held_bytes(self) -> int:
@@ -82,7 +88,13 @@ class PageLog:
 
     @property
     def pending(self) -> bool:
-        return bool(self._ops)
+        """Whether a batch is due: decisions, or budget bytes kept for unmaps, not taken yet."""
+        return self._due_since is not None
+
+    def due_for(self, now: float) -> float:
+        """Seconds the batch to take has been due at ``now`` (0.0: nothing is due)."""
+        since = self._due_since
+        return 0.0 if since is None else max(0.0, now - since)
 
     def take(self) -> tuple[int, ...]:
         """The next batch, as the message the workers receive: ``(seq, blocks_per_page, op, ...)``.
@@ -95,6 +107,7 @@ class PageLog:
         with self._lock:
             self.seq += 1
             ops, self._ops = self._ops, []
+            self._due_since = None
             if self._held:
                 self._unapplied.append((self.seq, self._held))
                 self._held = 0

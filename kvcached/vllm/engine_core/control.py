@@ -13,6 +13,7 @@ take one.
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from ...engine.control import engine_info as core_engine_info
@@ -22,6 +23,11 @@ from .ranks import data_parallel_size, engine_index
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+# Seconds page decisions may wait to go out before the tick wakes the engine core: a step or an
+# idle flush takes them within milliseconds, so this is well past any that is on its way.
+STALE_BATCH_S = 1.0
 
 
 class LiveControl:
@@ -64,7 +70,18 @@ class LiveControl:
 
     def tick(self) -> None:
         """Give back toward other engines' claims on the budget, down to the floor, and stop
-        once nothing is asked (the ledger service calls it every ``TICK_S``, busy or idle)."""
+        once nothing is asked (the ledger service calls it every ``TICK_S``, busy or idle).
+
+        NOTE: it also wakes an engine core whose page decisions have waited more than
+        ``STALE_BATCH_S`` to go out. They go with the next step, or through the idle engine's
+        flush when its busy loop next asks ``has_work`` (``step_sender.steer_engine_core``);
+        an engine core blocked on its input queue asks only when something arrives. Each
+        change that decides on another thread wakes it, so this wakes only what slipped past
+        them; until then the unmaps' budget bytes stay this engine's (``DeferredRelease``)."""
+        log = self.engine.page_log
+        wake = self.engine.wake
+        if log is not None and wake is not None and log.due_for(time.monotonic()) > STALE_BATCH_S:
+            wake()
         engine, budget = self.engine, self.engine.budget
         if budget is None or engine.manager is None:
             return
