@@ -14,6 +14,7 @@ import threading
 import time
 import types
 import uuid
+from typing import Any
 
 import pytest
 
@@ -232,3 +233,69 @@ def test_the_tick_wakes_an_engine_core_whose_decisions_wait(monkeypatch: pytest.
     engine.page_log.take()
     live.tick()
     assert woken == [True]
+
+
+def test_kvctl_status_shows_the_engines_share_and_its_unapplied_unmaps(tmp_path) -> None:
+    """What an engine holds of a shared budget, as the budget's file says, and how much of it
+    waits for its workers to apply unmaps: the row an operator reads when a neighbour cannot
+    grow into what this engine gave up."""
+    from kvcached.engine.control import with_budget
+    from kvcached.service.messages import MemoryStatus
+    from kvctl import render
+
+    mine = Budget.open("status", 64 * PAGE, directory=str(tmp_path))
+    neighbour = Budget.open("status", directory=str(tmp_path))
+    try:
+        assert mine.acquire_up_to(24 * PAGE, PAGE) == 24 * PAGE and neighbour.acquire_up_to(8 * PAGE, PAGE)
+        bare = MemoryStatus(
+            page_bytes=PAGE,
+            num_pages=64,
+            mapped_pages=8,
+            in_use_pages=8,
+            reserved_pages=0,
+            limit_pages=8,
+            shrink_pending=False,
+            waiting_on={},
+            reason="within the limit",
+        )
+        m = with_budget(bare, mine, unapplied=16 * PAGE)
+        assert m.budget is not None and (m.budget.used, m.budget.share, m.budget.unapplied) == (
+            32 * PAGE,
+            24 * PAGE,
+            16 * PAGE,
+        )
+        row = dict(render.status_rows(_status_reply(m)))["budget"]
+        assert row == (
+            "status: 32 MiB used of 64 MiB, 24 MiB by this engine (16 MiB of unmaps its workers have not applied yet)"
+        )
+    finally:
+        neighbour.close()
+        mine.close()
+
+
+def _status_reply(memory: Any) -> Any:
+    from kvcached.service.messages import HandoffStatus, JournalStatus, StatusReply
+
+    journal = JournalStatus(
+        state="off",
+        path=None,
+        durability="flush",
+        segment=0,
+        segment_bytes=0,
+        events_written=0,
+        events_durable=0,
+        snapshot_index=None,
+        error=None,
+    )
+    handoff = HandoffStatus(capacity=1, queued=0, dropped=0, gaps=0, episodes=0)
+    return StatusReply(
+        pid=1,
+        uptime_s=1.0,
+        events=0,
+        ledger=None,
+        journal=journal,
+        handoff=handoff,
+        clients=0,
+        dropped_clients=0,
+        memory=memory,
+    )
