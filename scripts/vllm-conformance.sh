@@ -190,11 +190,23 @@ run_pass() {
 }
 
 fetch
-rc=0
-if [ "$MODE" != kvcached ]; then
-    run_pass "vLLM alone" "$@" || rc=$?
-fi
-if [ "$MODE" != alone ]; then
-    run_pass "with kvcached's page-aware pool and bridge" --kvcached "$@" || rc=$?
-fi
-exit $rc
+case $MODE in
+    alone) run_pass "vLLM alone" "$@" ;;
+    kvcached) run_pass "with kvcached's page-aware pool and bridge" --kvcached "$@" ;;
+    both)
+        # The two passes share nothing but the files they read: at once, on a core each, their
+        # output shown in order.
+        logs=$(mktemp -d -t kvcached-conformance.XXXXXXXX)
+        trap 'rm -rf -- "$logs"' EXIT
+        rc=0 rc_alone=0
+        run_pass "vLLM alone" "$@" >"$logs/alone" 2>&1 &
+        alone=$!
+        run_pass "with kvcached's page-aware pool and bridge" --kvcached "$@" >"$logs/kvcached" 2>&1 || rc=$?
+        wait "$alone" || rc_alone=$?
+        cat -- "$logs/alone" "$logs/kvcached"
+        if [ "$rc_alone" -ne 0 ]; then
+            exit "$rc_alone"
+        fi
+        exit "$rc"
+        ;;
+esac

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/serve/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+# NOTE: scripts/test.sh runs this folder on two pytest-xdist workers (``-n 2 --dist loadscope``):
+# a server spends most of its life importing vLLM on one core. A module's tests share the servers
+# of its module-scoped fixtures, so a module is one unit of work, as ``--dist loadscope`` makes it;
+# the model kinds' tests stay together too, so that no two kinds' servers compete for the cores.
+# vLLM's data-parallel engines take fixed ports unless told
+# (``ParallelConfig.data_parallel_master_port`` 29500, ``data_parallel_rpc_port`` 29550), so the
+# two modules that start them are one unit, never run at once.
+_TOGETHER = {
+    "tests/serve/test_dp_e2e.py": "vLLM data-parallel ports",
+    "tests/serve/test_multinode_e2e.py": "vLLM data-parallel ports",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServedScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _TOGETHER.get(path, path)
+
+    return ServedScheduling(config, log)

@@ -13,6 +13,7 @@ sgl-kernel is test scaffolding
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -45,48 +46,56 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dic
         "swa": tiny_kinds.build(root / "tiny-gemma3", "gemma3"),
     }
     site = cpu_platform.dist_info(str(root / "site"))
-    runs = {}
-    # "-p16": at --page-size 16, SGLang's paged allocator (kvcached's subclass places as SGLang
-    # does); "-mla": the tiny DeepSeek-V2, whose pool is MLATokenToKVPool (a latent per layer);
-    # "-swa": the tiny Gemma-3, sliding-window (32) and full layers alternating, which SGLang serves
-    # from one MHA pool, the window a mask (model_overrides/gemma2_gemma3.py: no hybrid SWA memory).
-    for variant in (
-        "native", "legacy", "ledger", "native-p16", "ledger-p16", "native-mla", "ledger-mla", "native-swa", "ledger-swa"
-    ):  # fmt: skip
-        policy, _, kind = variant.partition("-")
-        journal = root / f"{variant}.kvj"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_"))}
-        env.update(PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])), HF_HUB_OFFLINE="1")
-        if policy != "native":
-            env.update(
-                ENABLE_KVCACHED="1",
-                KVCACHED_BACKEND="host",
-                KVCACHED_LEDGER_POLICY=policy,
-                KVCACHED_LEDGER_JOURNAL=str(journal),
-                KVCACHED_LEDGER_SOCKET=str(root / f"{variant}.sock"),
-                KVCACHED_DUMP_DIR=str(root / "dumps"),
-                # 16 slots a page (1 KiB a slot in each of the 16 regions: 8 layers' K and V),
-                # so that the 160-slot pool spans 11 pages and pages come and go with requests
-                # (at --page-size 16, one SGLang page a kvcached page). MLA's latent is 1,152 B a
-                # slot and layer: 32 slots to the smallest host page of whole slots (36 KiB).
-                KVCACHED_PAGE_SIZE_MB="0.03515625" if kind == "mla" else "0.015625",
-                # No reserve (kvcached PR #598's reproduction settings): an emptied page goes.
-                KVCACHED_MIN_RESERVED_PAGES="0",
-                KVCACHED_MAX_RESERVED_PAGES="0",
-            )
-        model = models[kind if kind in models else "llama"]
-        page_size = "16" if kind == "p16" else "1"
-        done = subprocess.run(
-            [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model), "--page-size", page_size],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
+    # Each variant is a process tree of its own that spends most of its life importing on one core:
+    # two at a time.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        done = {variant: pool.submit(_serve_variant, variant, root, models, site) for variant in VARIANTS}
+    return {variant: future.result() for variant, future in done.items()}
+
+
+# "-p16": at --page-size 16, SGLang's paged allocator (kvcached's subclass places as SGLang does);
+# "-mla": the tiny DeepSeek-V2, whose pool is MLATokenToKVPool (a latent per layer); "-swa": the
+# tiny Gemma-3, sliding-window (32) and full layers alternating, which SGLang serves from one MHA
+# pool, the window a mask (model_overrides/gemma2_gemma3.py: no hybrid SWA memory).
+VARIANTS = (
+    "native", "legacy", "ledger", "native-p16", "ledger-p16", "native-mla", "ledger-mla", "native-swa", "ledger-swa"
+)  # fmt: skip
+
+
+def _serve_variant(variant: str, root: Path, models: dict[str, Path], site: str) -> tuple[list[dict], Path]:
+    """Serve the three prompts once, as ``variant`` says: its lines and its journal's path."""
+    policy, _, kind = variant.partition("-")
+    journal = root / f"{variant}.kvj"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])), HF_HUB_OFFLINE="1")
+    if policy != "native":
+        env.update(
+            ENABLE_KVCACHED="1",
+            KVCACHED_BACKEND="host",
+            KVCACHED_LEDGER_POLICY=policy,
+            KVCACHED_LEDGER_JOURNAL=str(journal),
+            KVCACHED_LEDGER_SOCKET=str(root / f"{variant}.sock"),
+            KVCACHED_DUMP_DIR=str(root / "dumps"),
+            # 16 slots a page (1 KiB a slot in each of the 16 regions: 8 layers' K and V), so that
+            # the 160-slot pool spans 11 pages and pages come and go with requests (at --page-size
+            # 16, one SGLang page a kvcached page). MLA's latent is 1,152 B a slot and layer: 32
+            # slots to the smallest host page of whole slots (36 KiB).
+            KVCACHED_PAGE_SIZE_MB="0.03515625" if kind == "mla" else "0.015625",
+            # No reserve (kvcached PR #598's reproduction settings): an emptied page goes.
+            KVCACHED_MIN_RESERVED_PAGES="0",
+            KVCACHED_MAX_RESERVED_PAGES="0",
         )
-        assert done.returncode == 0, f"{variant}: {done.stderr[-3000:]}"
-        lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-        runs[variant] = (lines, journal)
-    return runs
+    model = models[kind if kind in models else "llama"]
+    page_size = "16" if kind == "p16" else "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcached.sglang.testing.serve", str(model), "--page-size", page_size],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{variant}: {done.stderr[-3000:]}"
+    return [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")], journal
 
 
 def test_native_sglang_loads_back_from_the_host_tier(served) -> None:
