@@ -509,10 +509,11 @@ class Budget:
     def usage(self) -> BudgetUsage:
         return _usage(self.name, self._files)
 
-    def share(self) -> int:
-        """The bytes this engine holds, as the budget's file says (0 if its share was dropped)."""
+    def usage_and_share(self) -> tuple[BudgetUsage, int]:
+        """``usage()`` and the bytes this engine holds (0 if its share was dropped), from one read
+        of the budget's file, so that the two agree."""
         state = self._files.read_locked()
-        return next((s.bytes for s in state.shares if self._mine(s)), 0)
+        return _usage_of(self.name, state), next((s.bytes for s in state.shares if self._mine(s)), 0)
 
     def close(self) -> None:
         """Give back this engine's share (all of it) and leave the budget; once."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvcached.ledger import ledger as _ledger
+from kvcached.service.messages import HandoffStatus, JournalStatus, StatusReply
 
 COMPILED = _ledger.__file__.endswith((".so", ".pyd"))
 
@@ -27,6 +29,38 @@ def bdir(tmp_path: Path) -> str:
     d = tmp_path / "budgets"
     d.mkdir(mode=0o700)
     return str(d)
+
+
+@pytest.fixture
+def status_reply() -> Callable[..., StatusReply]:
+    """Makes the ``StatusReply`` kvctl gets from an idle engine's service (no journal, nothing
+    handed off), with the fields given changed (``memory``, ``engine``, ...)."""
+
+    def make(**fields: Any) -> StatusReply:
+        journal = JournalStatus(
+            state="off",
+            path=None,
+            durability="flush",
+            segment=0,
+            segment_bytes=0,
+            events_written=0,
+            events_durable=0,
+            snapshot_index=None,
+            error=None,
+        )
+        idle: dict[str, Any] = {
+            "pid": 1,
+            "uptime_s": 1.0,
+            "events": 0,
+            "ledger": None,
+            "journal": journal,
+            "handoff": HandoffStatus(capacity=1, queued=0, dropped=0, gaps=0, episodes=0),
+            "clients": 0,
+            "dropped_clients": 0,
+        }
+        return StatusReply(**{**idle, **fields})
+
+    return make
 
 
 def pytest_report_header() -> str:

@@ -3,11 +3,12 @@ own file names, and what kvctl shows of them (served end to end in tests/serve/t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
-from kvcached.service.messages import EngineInfo, HandoffStatus, JournalStatus, StatusReply
+from kvcached.service.messages import EngineInfo, StatusReply
 from kvcached.vllm.api_server.startup import DP_SIZE_ENV
 from kvcached.vllm.engine_core import ranks
 from kvctl import engines, render
@@ -43,7 +44,7 @@ def test_the_size_comes_from_the_config_or_from_the_api_server(monkeypatch: pyte
         assert ranks.data_parallel_size(dense) == 1
 
 
-def _found(index: int, size: int) -> engines.Found:
+def _found(status_reply: Callable[..., StatusReply], index: int, size: int) -> engines.Found:
     info = EngineInfo(
         model="tiny",
         pid=100 + index,
@@ -57,39 +58,17 @@ def _found(index: int, size: int) -> engines.Found:
         index=index,
         data_parallel=size,
     )
-    journal = JournalStatus(
-        state="off",
-        path=None,
-        durability="flush",
-        segment=0,
-        segment_bytes=0,
-        events_written=0,
-        events_durable=0,
-        snapshot_index=None,
-        error=None,
-    )
-    handoff = HandoffStatus(capacity=1, queued=0, dropped=0, gaps=0, episodes=0)
-    status = StatusReply(
-        pid=info.pid,
-        uptime_s=1.0,
-        events=0,
-        ledger=None,
-        journal=journal,
-        handoff=handoff,
-        clients=0,
-        dropped_clients=0,
-        engine=info,
-    )
+    status = status_reply(pid=info.pid, engine=info)
     return engines.Found(socket=info.socket, alive=True, status=status)
 
 
-def test_kvctl_names_each_rank() -> None:
-    cells = [engines._cells(_found(r, 2)) for r in range(2)]
+def test_kvctl_names_each_rank(status_reply: Callable[..., StatusReply]) -> None:
+    cells = [engines._cells(_found(status_reply, r, 2)) for r in range(2)]
     assert [c[0] for c in cells] == ["tiny [dp 0/2]", "tiny [dp 1/2]"]
-    assert engines._cells(_found(0, 1))[0] == "tiny"  # one engine: no rank to name
-    status = _found(1, 2).status
+    assert engines._cells(_found(status_reply, 0, 1))[0] == "tiny"  # one engine: no rank to name
+    status = _found(status_reply, 1, 2).status
     assert status is not None
     rows = dict(render.status_rows(status))
     assert "data-parallel rank 1 of 2" in rows["engine"], rows
-    one = _found(0, 1).status
+    one = _found(status_reply, 0, 1).status
     assert one is not None and "data-parallel" not in dict(render.status_rows(one))["engine"]

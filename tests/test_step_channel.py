@@ -14,7 +14,6 @@ import threading
 import time
 import types
 import uuid
-from typing import Any
 
 import pytest
 
@@ -235,7 +234,7 @@ def test_the_tick_wakes_an_engine_core_whose_decisions_wait(monkeypatch: pytest.
     assert woken == [True]
 
 
-def test_kvctl_status_shows_the_engines_share_and_its_unapplied_unmaps(tmp_path) -> None:
+def test_kvctl_status_shows_the_engines_share_and_its_unapplied_unmaps(tmp_path, status_reply) -> None:
     """What an engine holds of a shared budget, as the budget's file says, and how much of it
     waits for its workers to apply unmaps: the row an operator reads when a neighbour cannot
     grow into what this engine gave up."""
@@ -264,38 +263,10 @@ def test_kvctl_status_shows_the_engines_share_and_its_unapplied_unmaps(tmp_path)
             24 * PAGE,
             16 * PAGE,
         )
-        row = dict(render.status_rows(_status_reply(m)))["budget"]
+        row = dict(render.status_rows(status_reply(memory=m)))["budget"]
         assert row == (
             "status: 32 MiB used of 64 MiB, 24 MiB by this engine (16 MiB of unmaps its workers have not applied yet)"
         )
     finally:
         neighbour.close()
         mine.close()
-
-
-def _status_reply(memory: Any) -> Any:
-    from kvcached.service.messages import HandoffStatus, JournalStatus, StatusReply
-
-    journal = JournalStatus(
-        state="off",
-        path=None,
-        durability="flush",
-        segment=0,
-        segment_bytes=0,
-        events_written=0,
-        events_durable=0,
-        snapshot_index=None,
-        error=None,
-    )
-    handoff = HandoffStatus(capacity=1, queued=0, dropped=0, gaps=0, episodes=0)
-    return StatusReply(
-        pid=1,
-        uptime_s=1.0,
-        events=0,
-        ledger=None,
-        journal=journal,
-        handoff=handoff,
-        clients=0,
-        dropped_clients=0,
-        memory=memory,
-    )

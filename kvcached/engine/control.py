@@ -55,8 +55,8 @@ def with_budget(status: MemoryStatus, budget: Budget | None, *, unapplied: int =
     step of this engine must not wait on another engine's lock holder."""
     if budget is None:
         return status
-    u = budget.usage()
-    b = BudgetStatus(name=u.name, size=u.size, used=u.used, share=budget.share(), unapplied=unapplied)
+    u, share = budget.usage_and_share()
+    b = BudgetStatus(name=u.name, size=u.size, used=u.used, share=share, unapplied=unapplied)
     return msgspec.structs.replace(status, budget=b)
 
 
