@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -35,10 +36,32 @@ ERROR_SIGNATURES = re.compile(
 ACTIVE_LINE = "[kvcached] active:"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port no process uses now, for a server that binds it some seconds later.
+
+    NOTE: below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``, 32768 up by
+    default), which ``bind(0)`` and ``connect()`` never hand out: a port from there could be taken
+    by another server's own sockets while this one imports vLLM (scripts/test.sh starts servers on
+    two pytest-xdist workers at once; seen as ``Address already in use``). Each xdist worker draws
+    from a band of its own, below SGLang's (``get_free_port_below_ephemeral``: 22000-29999) and
+    vLLM's data-parallel ports (29500 up), and a process never hands out a port twice."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    band = int(worker) % 4 if worker.isdigit() else 0
+    low = 10000 + 3000 * band
+    for port in random.sample(range(low, low + 3000), 3000):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{low + 2999}")
 
 
 @dataclass
