@@ -126,6 +126,7 @@ class KVCacheManager:
         limit_pages: int | None = None,
         replicas: Sequence[Backend] = (),
         budget: PageBudget | None = None,
+        ask_pages: int = 0,
         placement: Placement = Placement.WHOLE_PAGES,
     ) -> None:
         header = recorder.ledger.header
@@ -161,6 +162,7 @@ class KVCacheManager:
             limit=limit_pages,
             page_cost=geometry.page_bytes * geometry.regions * (1 + len(self.replicas)),
             budget=budget,
+            ask_pages=ask_pages,
         )
         # Invariant: num_allocated == sum(_allocated) == sum(_used), and _used[p] counts the
         # blocks of page p with _allocated set.

@@ -91,6 +91,7 @@ class PageBudget(Protocol):
     # is now where the backend holds it and later where the unmap is only a decision that other
     # processes carry out (the engine core's: ``step_channel.DeferredRelease``).
     def release_unmapped(self, nbytes: int) -> None: ...
+    def ask(self, nbytes: int) -> None: ...
     def headroom(self) -> int | None: ...
     def room(self) -> int | None: ...
 
@@ -118,6 +119,7 @@ class PageAllocator:
         limit: int | None = None,
         page_cost: int = 0,
         budget: PageBudget | None = None,
+        ask_pages: int = 0,
     ) -> None:
         if min_reserved > max_reserved:
             raise KvcachedError(
@@ -143,7 +145,11 @@ class PageAllocator:
         # mapped pages (``_budget_pages``). Invariant: the budget's share of this allocator is
         # (mapped + _leased) * page_cost.
         self._leased = 0
-        self._lease_short = False  # the last count wanted more than the budget could lease
+        self._lease_short = False  # the last count wanted more than the budget or the yield cap let it have
+        # Pages this engine asks the others on its budget for while it is short (``_ask``; 0:
+        # it never asks), and whether a count was made since the last drain.
+        self.ask_pages = ask_pages
+        self._counted = False
         # The three states of a page (module docstring). Invariant: _free, _reserved and _in_use
         # partition range(num_pages), and _free holds no page twice; the backend has exactly the
         # pages of _reserved | _in_use mapped.
@@ -194,8 +200,15 @@ class PageAllocator:
             # reserved page that pins keep mapped anyway stays in service. Refusing it could
             # deadlock: the pins may belong to a request that only lets go once it runs again
             # (review comment P2 on kvcached PR #598: window holds of a preempted request).
+            if lease:
+                self._counted = True
+                self._lease_short = self._capped()
             return len(self._reserved) - len(self._goable)
         return len(self._reserved) + min(len(self._free), self.limit - self.mapped, self._growth(lease))
+
+    def _capped(self) -> bool:
+        """Whether the yield cap, not the operator's limit, stops this allocator's growth now."""
+        return self.limit < self._set_limit and self.mapped >= self.limit and bool(self._free)
 
     def _growth(self, lease: bool) -> int:
         """Pages beyond the mapped ones the budget lets maps use: leased for a count a map
@@ -226,11 +239,12 @@ class PageAllocator:
         budget = self.budget
         if budget is None:
             return self.num_pages
+        self._counted = True
         want = min(len(self._free), self.limit - self.mapped)
         if self._leased < want:
             cost = self.page_cost
             self._leased += budget.acquire_up_to((want - self._leased) * cost, cost) // cost
-        self._lease_short = self._leased < want
+        self._lease_short = self._leased < want or self._capped()
         return self._leased
 
     @property
@@ -377,7 +391,28 @@ class PageAllocator:
         fresh = self._drain()
         if fresh or self._unmap_retry:
             self._trim()
+        if self._counted:
+            self._ask()
         self._return_lease()
+
+    def _ask(self) -> None:
+        """Ask the other engines on the budget for ``ask_pages`` while this one is short, at the
+        end of a scheduler call that counted; stop asking once a count is not.
+
+        NOTE: short means the call's count wanted pages that the budget (or the cap this engine
+        yields under) would not let it have, and the engine cannot keep its reserve: its empty
+        pages and the leased pages it did not spend are fewer than ``min_reserved`` (than one
+        page without a reserve). An engine that merely counts on a full budget while its
+        reserve stands does not ask, so the pages a neighbour gave back sit free rather than
+        draining the neighbour to its floor. An engine whose count was cached rather than made
+        asks nothing new; its ask lapses after ``kvcached.budget.ASK_TTL`` once it stops
+        counting (idle)."""
+        self._counted = False
+        budget = self.budget
+        if budget is None or not self.ask_pages:
+            return
+        short = self._lease_short and len(self._reserved) + self._leased < max(1, self.min_reserved)
+        budget.ask(self.ask_pages * self.page_cost if short else 0)
 
     def _drain(self) -> AbstractSet[int]:
         """Take the ledger's queue; note the reserved pages in it, return all of this range's.

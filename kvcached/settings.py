@@ -349,11 +349,19 @@ def ignored_settings(engine: str, env: Mapping[str, str] | None = None) -> list[
     NOTE: these are the settings kvcached reads that the running engine has no use for
     (``SCOPES``); ``unknown_settings`` names those it does not read at all."""
     e = os.environ if env is None else env
-    return [
+    lines = [
         f"{name}={_show(e[name])} does not apply under {ENGINES[engine]} ({scope.why}); ignored"
         for name, scope in SCOPES.items()
         if engine not in scope.engines and e.get(name, "").strip()
     ]
+    # A budget's size without its name: the engine joins no budget, and whoever sized it expects
+    # the engine to stay within it.
+    if e.get(BUDGET_BYTES.name, "").strip() and not e.get(BUDGET.name, "").strip():
+        lines.append(
+            f"{BUDGET_BYTES.name}={_show(e[BUDGET_BYTES.name])} sizes the budget {BUDGET.name} names, and none "
+            f"is named: this engine joins no budget; set {BUDGET.name} too; ignored"
+        )
+    return lines
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):

@@ -394,7 +394,7 @@ def test_kvctl_refuses_a_fifo_in_one_line_without_hanging(tmp_path) -> None:
 def test_a_held_lock_is_waited_for_a_bounded_time(bdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import fcntl
 
-    import kvcached.budget as budget_module
+    import kvcached.budget_files as budget_module
 
     b = Budget.open("gpu0", 4 * MiB, directory=bdir)
     other = os.open(os.path.join(bdir, "budget-gpu0.lock"), os.O_RDWR)  # another open file: flock conflicts

@@ -18,7 +18,8 @@ import textwrap
 
 import msgspec
 
-from kvcached.budget import _IN_PLACE, Budget, BudgetFile, budget_usage
+from kvcached.budget import Budget, BudgetFile, budget_usage
+from kvcached.budget_files import _IN_PLACE
 
 PAGE = 64 * 1024
 

@@ -42,6 +42,9 @@ def test_the_alert_rules_parse_and_cover_what_an_operator_is_paged_for() -> None
     assert "vllm:kvcached_events_dropped_total" in rules["KvcachedEventsDropped"]["expr"]
     stuck = rules["KvcachedShrinkStuck"]
     assert "vllm:kvcached_shrink_pending" in stuck["expr"] and stuck["for"] == "10m"
+    # A killed engine core takes its API servers down: the scrape target's own up, not engine_up.
+    assert rules["KvcachedServerDown"]["expr"].startswith("up{")
+    assert "vllm:kvcached_budget_wanted_bytes" in rules["KvcachedBudgetShort"]["expr"]
     for r in rules.values():
         assert set(NAME.findall(r["expr"])) <= metrics.exposed_names(), r["expr"]
 

@@ -84,6 +84,13 @@ def test_a_setting_that_does_not_apply_under_vllm_is_named_once_as_ignored() -> 
     assert ignored_settings("vllm", {}) == []
 
 
+def test_a_budget_size_without_a_budget_name_is_named_as_ignored() -> None:
+    (line,) = ignored_settings("vllm", {"KVCACHED_BUDGET_BYTES": "60G"})
+    assert line.startswith("KVCACHED_BUDGET_BYTES='60G' sizes the budget KVCACHED_BUDGET names, and none is named")
+    assert line.endswith("; ignored") and "\n" not in line
+    assert ignored_settings("vllm", {"KVCACHED_BUDGET_BYTES": "60G", "KVCACHED_BUDGET": "gpu0"}) == []
+
+
 def _fake_vllm_config() -> SimpleNamespace:
     """What ``check_config`` reads of a plain single-GPU ``VllmConfig``."""
     par = SimpleNamespace(pipeline_parallel_size=1, nnodes=1, tensor_parallel_size=1, distributed_executor_backend=None)

@@ -56,7 +56,9 @@ def with_budget(status: MemoryStatus, budget: Budget | None, *, unapplied: int =
     if budget is None:
         return status
     u, share = budget.usage_and_share()
-    b = BudgetStatus(name=u.name, size=u.size, used=u.used, share=share, unapplied=unapplied)
+    b = BudgetStatus(
+        name=u.name, size=u.size, used=u.used, share=share, unapplied=unapplied, wanted=u.claimed + u.short
+    )
     return msgspec.structs.replace(status, budget=b)
 
 
@@ -94,6 +96,7 @@ def engine_info(
     backend: str,
     page_size: int,
     compiled: bool,
+    page_cost: int = 0,
     port: int | None = None,
     api_pid: int | None = None,
     index: int = 0,
@@ -117,5 +120,6 @@ def engine_info(
         data_parallel=data_parallel,
         backend=backend,
         page_size=page_size,
+        page_cost=page_cost or page_size,
         compiled=compiled,
     )

@@ -106,6 +106,10 @@ class LedgerQueries:
         return self.tables.unmaps
 
     @property
+    def jobs_failed(self) -> int:
+        return self.tables.jobs_failed
+
+    @property
     def prefix_cache_resets(self) -> int:
         return self.tables.prefix_cache_resets
 

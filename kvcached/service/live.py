@@ -389,6 +389,7 @@ class LiveServer:
                     dropped_events=lg.dropped_events,
                     maps=lg.maps,
                     unmaps=lg.unmaps,
+                    jobs_failed=lg.jobs_failed,
                 )
             by_invariant: dict[str, int] = {}
             by_kind: dict[str, int] = {}

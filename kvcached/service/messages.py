@@ -99,6 +99,7 @@ class LedgerCounts(msgspec.Struct, frozen=True, kw_only=True):
     dropped_events: int  # the sum of the gaps applied
     maps: int = 0  # pages mapped so far (PageMapped events)
     unmaps: int = 0
+    jobs_failed: int = 0  # transfer jobs a worker reported failed (JobFailed events)
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,6 +121,9 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel: int = 1  # --data-parallel-size: engines > 1 are ranks of one server (kvctl list says which)
     backend: str = ""  # the memory backend: cuda or host
     page_size: int = 0  # bytes of one page of one layer (KVCACHED_PAGE_SIZE_MB)
+    # Bytes one page counts in the engine's memory figures: a page in every layer (and region and
+    # replica) it spans, so ``mapped_bytes`` is mapped pages times this.
+    page_cost: int = 0
     compiled: bool = False  # the hot path runs mypyc-compiled
 
     @property
@@ -138,6 +142,9 @@ class BudgetStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Bytes of pages this engine unmapped that its workers have not yet confirmed unmapped: they
     # go back to the budget then (vLLM's step channel: ``step_channel.DeferredRelease``).
     unapplied: int = 0
+    # Bytes engines wait for at start (``Budget.join``) or are short of while serving
+    # (``Budget.ask``): what the budget lacks now, the others giving back toward it.
+    wanted: int = 0
 
 
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -111,7 +111,7 @@ class SglangControl:
 
 
 def engine_info(
-    *, socket: str, policy: str, sglang: str, budget: str | None, backend: str, page_size: int
+    *, socket: str, policy: str, sglang: str, budget: str | None, backend: str, page_size: int, page_cost: int
 ) -> EngineInfo:
     """Who this SGLang engine is (``kvcached.engine.control.engine_info``), from its server's
     arguments (``get_server_args``) where a server built it."""
@@ -123,6 +123,7 @@ def engine_info(
         budget=budget,
         backend=backend,
         page_size=page_size,
+        page_cost=page_cost,
         compiled=compiled_status(CORE_COMPILED) is None,
     )
 

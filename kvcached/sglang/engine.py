@@ -179,6 +179,8 @@ class SglangEngine:
                 max_reserved=reserve[1],
                 placement=config.placement,
                 budget=self.budget,
+                # Short of the budget while serving, it asks for its floor's worth or a reserve's.
+                ask_pages=max(self.floor_pages, reserve[1], 1),
             )
             # SGLang's padding page: padded tokens write into slot 0 (``TokenToKVPoolAllocator.clear``);
             # and a partial last page, which SGLang never hands out. Block 0 is taken at start and
@@ -198,6 +200,7 @@ class SglangEngine:
                 budget=config.budget,
                 backend=self.backend.kind,
                 page_size=g.page_bytes,
+                page_cost=page_cost,
             )
             control = SglangControl(
                 self.manager,

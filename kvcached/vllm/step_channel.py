@@ -144,6 +144,9 @@ class DeferredRelease:
     def release_unmapped(self, nbytes: int) -> None:
         self._log.hold(nbytes)
 
+    def ask(self, nbytes: int) -> None:
+        self.budget.ask(nbytes)
+
     def headroom(self) -> int | None:
         return self.budget.headroom()
 

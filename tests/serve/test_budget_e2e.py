@@ -1,17 +1,21 @@
 """Two real ``vllm serve`` engines on one memory budget (vLLM's CPU build), steered with kvctl.
 
 The scenario is ``kvcached.vllm.testing.elastic`` (the main job shows the same run): engines A and B
-name one budget of 80 MiB, less than their two 64 MiB KV caches. A is loaded until it holds most
-of the budget, limited while idle with a full prefix cache (``kvctl limit A 8M --force``, which wakes the idle engine
-core itself; the scenario's fallback poke must not be needed), B is loaded
-far beyond what was left, A's limit is lifted and A serves again; then B is limited, A fills the
-budget, and A is killed with SIGKILL while it holds its pages: B, loaded again, must map A's
-share within ``KILL_BOUND_S``. A sampler reads the budget every 0.2 s throughout. Every
-completion is compared with a native server's (same flags) on the same prompts: greedy tokens
-and top-5 logprobs. The prompts of each phase are distinct, so no prefix is shared.
+name one budget of 80 MiB, less than their two 64 MiB KV caches, at kvcached's default reserve and
+prefix-cache cap. A is loaded until it holds most of the budget; B bursts while A idles and grows
+into what A gives back toward its ask; A is limited while idle with a full prefix cache (``kvctl
+limit A 8M --force``, which wakes the idle engine core itself; the scenario's fallback poke must
+not be needed), B is loaded far beyond what was left, A's limit is lifted and A serves again;
+then B is limited, A fills the budget, and A is killed with SIGKILL while it holds its pages: B,
+loaded again, must map A's share within ``KILL_BOUND_S``. A sampler reads the budget every 0.2 s
+throughout. Every completion but the burst's is compared with a native server's (same flags) on
+the same prompts: greedy tokens and top-5 logprobs. The prompts of each phase are distinct, so
+no prefix is shared.
 
-What each check trips on: the kill check stalls (B's request waits for blocks, B's share never
-grows) with a zombie taken for a live engine (``budget._start_time`` without its state check:
+What each check trips on: the burst check fails with B's ask removed (``PageAllocator._ask``
+never called): B's share stays within what was its own or free, and its requests wait for each
+other. The kill check stalls (B's request waits for blocks, B's share never
+grows) with a zombie taken for a live engine (``budget_files._start_time`` without its state check:
 this container's pid 1 reaps no orphan, so the killed engine core stays a zombie; the unit test
 ``test_a_sigkilled_engine_left_a_zombie_is_reclaimed`` shows the same without a server).
 """
@@ -83,6 +87,19 @@ def test_what_a_gives_back_b_maps(served: dict[str, Any]) -> None:
     assert seen["b_loaded"].resident["B"] > left + 16 * MiB  # its worker's memory, not only its share
     for name, outs in run.completions.items():
         assert outs and all(c.ok for c in outs), (name, [c.status for c in outs])
+
+
+def test_an_idle_neighbour_gives_a_bursting_engine_what_it_is_short_of(served: dict[str, Any]) -> None:
+    """At default settings (each engine keeps a reserve of 5..10 pages and a prefix cache), B's
+    burst is served on what idle A gives back, with no request preempted."""
+    run: elastic.ElasticRun = served["run"]
+    seen = run.seen
+    before = seen["a_loaded"]
+    had = before.share["B"] + seen["headroom_before_giveback"]  # B's own and what was free
+    assert seen["b_burst_peak"] > had + 16 * MiB, (seen["b_burst_peak"] // MiB, had // MiB)
+    assert seen["b_burst"].share["A"] < before.share["A"] - 16 * MiB, (before, seen["b_burst"])
+    assert seen["b_burst_preemptions"] == 0
+    assert [c.ok for c in run.completions["B bursts"]] == [True] * len(elastic.BURST)
 
 
 def test_every_completion_equals_native_vllms(served: dict[str, Any]) -> None:

@@ -104,7 +104,9 @@ def test_zero_series_disjoint_states_and_the_info_series(served: dict[str, Any])
     ((info, one),) = got["vllm:kvcached_info"]
     assert one == 1.0
     assert info["version"] == KVCACHED_VERSION and info["policy"] == "ledger" and info["backend"] == "host"
-    assert info["page_bytes"] == str(2 * MiB) and info["compiled"] in ("true", "false")
+    # What a page counts in the *_bytes series, and its size in one layer (KVCACHED_PAGE_SIZE_MB).
+    assert info["page_bytes"] == str(int(page)) and info["layer_page_bytes"] == str(2 * MiB), info
+    assert info["compiled"] in ("true", "false")
     assert int(info["pid"]) > 0 and os.path.basename(info["socket"]).endswith(".sock")
     assert info["budget"] == "metrics-test"
     # The CPU build's vLLM (0.32.0+cpu) is a tested release.
@@ -125,3 +127,25 @@ def test_every_series_the_collector_declares_is_on_the_scrape(served: dict[str, 
     seen = set(_families(served["scrapes"][-1]))
     only_while_shrinking = {metrics.PREFIX + "shrink_waiting_pages"}
     assert metrics.exposed_names() - only_while_shrinking <= seen, metrics.exposed_names() - seen
+
+
+def test_a_sigkilled_engine_core_takes_the_scrape_target_down(served: dict[str, Any]) -> None:
+    """What an operator alerts on when an engine core is killed: vLLM's API servers exit with it,
+    so the scrape itself fails (Prometheus records ``up`` 0 for the target: the alert rules'
+    ``KvcachedServerDown``) rather than ``engine_up`` going to 0. Last in the module: it ends the
+    server."""
+    import signal
+    import time
+    import urllib.error
+
+    ((info, _),) = _families(served["scrapes"][-1])["vllm:kvcached_info"]
+    os.kill(int(info["pid"]), signal.SIGKILL)
+    deadline = time.monotonic() + 120  # a bound on a condition, for a loaded machine
+    while True:
+        try:
+            with urllib.request.urlopen(served["server"].url + "/metrics", timeout=10) as r:
+                r.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            break  # the target is down: no answer at all
+        assert time.monotonic() < deadline, "the API servers still answer /metrics after their engine core died"
+        time.sleep(0.5)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,13 +129,9 @@ def _serve(
         assert server.wait_ready(), server.log()[-3000:]
         outputs, resets = validation_passes(server)
         assert resets == [True, True]
-        with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
-            scrape = r.read().decode()
+        hits = server.metric("vllm:prefix_cache_hits_total")
     finally:
         server.stop()
-    hits = sum(
-        float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines() if line.startswith("vllm:prefix_cache_hits_total")
-    )
     return server, outputs, hits
 
 

@@ -62,6 +62,7 @@ def _engine(
         index=index,
         backend="host",
         page_size=PAGE,
+        page_cost=PAGE * 4,  # a page in each of 4 layers, as MemoryStatus.page_bytes counts it
         compiled=True,
         budget=budget.name if budget else None,
     )
@@ -115,11 +116,13 @@ def test_series_join_vllm_s_labels_start_at_zero_and_partition_the_pages(folder:
     assert sorted((lv["engine"], v) for lv, v in up) == [("0", 1.0), ("1", 1.0)]
     assert all(set(lv) == {"model_name", "engine"} and lv["model_name"] == "tiny" for lv, _ in up)
     (info, _), _ = got["vllm:kvcached_info"]
-    assert {k: info[k] for k in ("version", "policy", "backend", "page_bytes", "compiled", "pid", "budget")} == {
+    keys = ("version", "policy", "backend", "page_bytes", "layer_page_bytes", "compiled", "pid", "budget")
+    assert {k: info[k] for k in keys} == {
         "version": "9.9",
         "policy": "ledger",
         "backend": "host",
-        "page_bytes": str(PAGE),
+        "page_bytes": str(PAGE * 4),
+        "layer_page_bytes": str(PAGE),
         "compiled": "true",
         "pid": "1000",
         "budget": "gpu0",
@@ -140,6 +143,8 @@ def test_series_join_vllm_s_labels_start_at_zero_and_partition_the_pages(folder:
     # A budget shared by both engines is one series, not one per engine.
     assert got["vllm:kvcached_budget_size_bytes"] == [({"budget": "gpu0"}, 64.0 * PAGE)]
     assert got["vllm:kvcached_budget_used_bytes"] == [({"budget": "gpu0"}, 24.0 * PAGE)]
+    assert got["vllm:kvcached_budget_wanted_bytes"] == [({"budget": "gpu0"}, 0.0)]  # nobody short
+    assert sorted((lv["engine"], v) for lv, v in got["vllm:kvcached_jobs_failed_total"]) == [("0", 0.0), ("1", 0.0)]
 
 
 def test_an_engine_that_stops_answering_reads_engine_up_0_not_absent(folder: Path) -> None:

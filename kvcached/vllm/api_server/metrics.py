@@ -45,7 +45,19 @@ SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "info": (
         "gauge",
         "1 per engine: kvcached's version and setup, the engine core's pid and socket",
-        ("version", "policy", "backend", "page_bytes", "compiled", "pid", "socket", "budget", "vllm_version", "tested"),
+        (
+            "version",
+            "policy",
+            "backend",
+            "page_bytes",
+            "layer_page_bytes",
+            "compiled",
+            "pid",
+            "socket",
+            "budget",
+            "vllm_version",
+            "tested",
+        ),
     ),
     "engine_up": ("gauge", "1 while the engine core's ledger service answers, 0 once it stops", ()),
     "memory_limit_bytes": ("gauge", "The engine's KV memory limit (kvctl limit)", ()),
@@ -62,8 +74,14 @@ SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "events_dropped": ("counter", "Ledger events dropped by a full hand-off (journaled as gaps)", ()),
     "page_maps": ("counter", "Pages mapped (each in every layer and worker)", ()),
     "page_unmaps": ("counter", "Pages unmapped", ()),
+    "jobs_failed": ("counter", "Offloading transfer jobs a worker reported failed (their pins released)", ()),
     "budget_size_bytes": ("gauge", "A shared budget's size (absent: unbounded)", ()),
     "budget_used_bytes": ("gauge", "Bytes granted to every engine on a budget", ()),
+    "budget_wanted_bytes": (
+        "gauge",
+        "Bytes engines on a budget wait for (starting) or are short of (serving); others give back toward them",
+        (),
+    ),
 }
 
 
@@ -192,6 +210,7 @@ class Collector:
             for n in ("violations", "events", "journal_events_written", "events_dropped", "page_maps", "page_unmaps")
         )
         budget_size, budget_used = made["budget_size_bytes"], made["budget_used_bytes"]
+        budget_wanted = made["budget_wanted_bytes"]
         budgets: dict[str, messages.BudgetStatus] = {}
         for eng, st in self.poll():
             lv = [eng.model, str(eng.index)]
@@ -201,6 +220,7 @@ class Collector:
                     eng.kvcached,
                     eng.policy,
                     eng.backend,
+                    str(eng.page_cost or eng.page_size),  # what one page counts in the *_bytes series
                     str(eng.page_size),
                     "true" if eng.compiled else "false",
                     str(eng.pid),
@@ -225,6 +245,7 @@ class Collector:
                 jobs.add_metric(lv, st.ledger.outstanding_jobs)
                 maps.add_metric(lv, st.ledger.maps)
                 unmaps.add_metric(lv, st.ledger.unmaps)
+                made["jobs_failed"].add_metric(lv, st.ledger.jobs_failed)
             m = st.memory
             if m is None:
                 continue
@@ -242,6 +263,7 @@ class Collector:
             if b.size is not None:
                 budget_size.add_metric([name], b.size)
             budget_used.add_metric([name], b.used)
+            budget_wanted.add_metric([name], b.wanted)
         yield from made.values()
 
 

@@ -144,6 +144,7 @@ def engine_info(
     budget: str | None,
     backend: str = "",
     page_size: int = 0,
+    page_cost: int = 0,
     compiled: bool = False,
 ) -> EngineInfo:
     """Who this engine core is (``kvcached.engine.control.engine_info``), from its scheduler."""
@@ -163,6 +164,7 @@ def engine_info(
         budget=budget,
         backend=backend,
         page_size=page_size,
+        page_cost=page_cost,
         compiled=compiled,
         index=engine_index(scheduler),
         data_parallel=data_parallel_size(scheduler),

@@ -328,6 +328,8 @@ def assemble(
                 min_reserved=lo,
                 max_reserved=hi,
                 budget=deferred or budget,
+                # Short of the budget while serving, it asks for a request's worth or a reserve's.
+                ask_pages=max(config.join_floor_pages, hi, 1),
                 placement=config.placement,
             )
         bridge = install_bridge(scheduler, recorder, offloading=getattr(scheduler, "connector", None) is not None)

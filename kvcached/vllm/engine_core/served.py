@@ -67,6 +67,7 @@ def build(scheduler: Any, settings: Settings) -> Engine:
         budget=settings.budget,
         backend=backends[0].kind,
         page_size=geometry.page_bytes,
+        page_cost=engine.page_bytes,
         compiled=slow is None,
     )
     live = control.LiveControl(engine, info, engine.page_bytes, floor)

@@ -325,6 +325,17 @@ class Server:
             status, choice["text"], tuple(lp.get("tokens") or ()), tops, details.get("cached_tokens"), seconds
         )
 
+    def metric(self, name: str) -> float:
+        """The sum of every sample of series ``name`` on the server's ``/metrics`` (vLLM's own, e.g.
+        ``vllm:num_preemptions_total``, over its engines and label values)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
+            scrape = r.read().decode()
+        total = 0.0
+        for line in scrape.splitlines():
+            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
     def reset_prefix_cache(self) -> bool:
         status, body = self.post("/reset_prefix_cache")
         return status == 200 and body.get("success", True) is not False

@@ -3,7 +3,8 @@
 kvcached exists so that several models share one machine's KV memory: what an idle engine gives
 back, a busy one maps. This is that, end to end, on vLLM's CPU build: two ``vllm serve`` engines
 (A and B, the same tiny model) name one budget (``KVCACHED_BUDGET``) smaller than the sum of
-their KV caches, and an operator steers them with ``kvctl`` through five phases (``run_elastic``).
+their KV caches, at kvcached's default reserve and prefix-cache cap; B bursts while A idles, and
+an operator steers them with ``kvctl`` through five phases more (``run_elastic``).
 ``tests/serve/test_budget_e2e.py`` checks it; ``kvcached.vllm.testing.demo`` (the main job) prints
 it and plots it.
 """
@@ -20,6 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,10 +53,8 @@ def server_config(
 ) -> ServerConfig:
     """A or B (``kvcached``), or the native server with the same flags."""
     env = {"XDG_RUNTIME_DIR": str(runtime)}
-    if kvcached:
+    if kvcached:  # the default reserve (5..10 pages) and prefix-cache cap: only the page is set
         env.update(
-            KVCACHED_MIN_RESERVED_PAGES="0",
-            KVCACHED_MAX_RESERVED_PAGES="0",
             KVCACHED_PAGE_SIZE_MB=PAGE_MB,
             KVCACHED_BUDGET=budget,
             KVCACHED_BUDGET_BYTES=str(BUDGET_BYTES),
@@ -71,6 +71,10 @@ def prompts(phase: str, n: int, chars: int) -> list[tuple[str, int]]:
     return [(" ".join(corpus(160, seed=seed + i))[:chars], 4) for i in range(n)]
 
 
+# B's burst while A idles: sent at once, three prompts of about 6 blocks each (36 MiB), far more
+# than the budget has left once A has loaded. Compared with native for being served only: a batch
+# of three computes in another order than native's one at a time, so the last bits may differ.
+BURST: list[tuple[str, int]] = prompts("B bursts", 3, 4800)
 PHASES: dict[str, list[tuple[str, int]]] = {
     "A loads": prompts("A loads", 5, 6500),
     "B loads": prompts("B loads", 5, 6500),
@@ -238,6 +242,10 @@ def run_elastic(
     NOTE: the phases, with the operator's ``kvctl`` a separate process, as one runs it:
 
     1. A is loaded until it holds most of the budget (its prefix cache keeps the pages).
+    1b. B bursts (``BURST``, at once) while A idles. B's counts fall short of the budget, so B
+       asks (``kvcached.budget.Budget.ask``); A's ledger service gives back toward the ask on
+       its tick, its reserve and then its cached blocks by page, down to its floor, and B maps
+       them, without preempting a request for want of A's reserve.
     2. Idle, A is limited (``kvctl limit A 8M --force``, below its floor on purpose). It evicts its
        cached blocks page by page and gives the pages back once its engine core takes a step, for
        their grace pins to end. The plugin's own wake-up is seen to reach it or not; else a utility
@@ -284,6 +292,22 @@ def run_elastic(
         full = phase("A loads", a)
         run.seen["a_loaded"] = full
         run.seen["headroom_before_giveback"] = (full.size or 0) - full.used
+
+        sampler.phase = "B bursts"
+        preempted = b.metric("vllm:num_preemptions_total")
+        with ThreadPoolExecutor(len(BURST)) as pool:
+            run.completions["B bursts"] = list(pool.map(lambda pk: b.complete(*pk), BURST))
+        run.seen["b_burst_preemptions"] = b.metric("vllm:num_preemptions_total") - preempted
+        time.sleep(0.5)
+        run.seen["b_burst"] = burst = sampler.sample()
+        peak = max((x.share.get("B", 0) for x in list(sampler.samples) if x.phase == "B bursts"), default=0)
+        run.seen["b_burst_peak"] = peak
+        say(
+            f"B bursts ({len(BURST)} requests at once) while A idles: B's share peaked at {peak // MiB} MiB where "
+            f"{(full.share.get('B', 0) + run.seen['headroom_before_giveback']) // MiB} MiB was its own or free; "
+            f"A {full.share.get('A', 0) // MiB} -> {burst.share.get('A', 0) // MiB} MiB; "
+            f"{run.seen['b_burst_preemptions']:.0f} preemptions in B"
+        )
 
         sampler.phase = "A limited"
         limit_idle(runtime, pids["A"], a, f"{A_IDLE_LIMIT // MiB}M", run.seen, "a_status_limited")
