@@ -295,18 +295,24 @@ def run_elastic(
 
         sampler.phase = "B bursts"
         preempted = b.metric("vllm:num_preemptions_total")
+        t0 = sampler.sample().t
         with ThreadPoolExecutor(len(BURST)) as pool:
             run.completions["B bursts"] = list(pool.map(lambda pk: b.complete(*pk), BURST))
+        run.seen["b_burst_s"] = sampler.sample().t - t0
         run.seen["b_burst_preemptions"] = b.metric("vllm:num_preemptions_total") - preempted
         time.sleep(0.5)
         run.seen["b_burst"] = burst = sampler.sample()
-        peak = max((x.share.get("B", 0) for x in list(sampler.samples) if x.phase == "B bursts"), default=0)
-        run.seen["b_burst_peak"] = peak
+        during = [x for x in list(sampler.samples) if x.phase == "B bursts"]
+        had = full.share.get("B", 0) + run.seen["headroom_before_giveback"]  # B's own and what was free
+        peak = max((x.share.get("B", 0) for x in during), default=0)
+        grew = next((x.t - t0 for x in during if x.share.get("B", 0) > had), None)
+        run.seen["b_burst_peak"], run.seen["b_grew_after_s"] = peak, grew
         say(
             f"B bursts ({len(BURST)} requests at once) while A idles: B's share peaked at {peak // MiB} MiB where "
-            f"{(full.share.get('B', 0) + run.seen['headroom_before_giveback']) // MiB} MiB was its own or free; "
-            f"A {full.share.get('A', 0) // MiB} -> {burst.share.get('A', 0) // MiB} MiB; "
-            f"{run.seen['b_burst_preemptions']:.0f} preemptions in B"
+            f"{had // MiB} MiB was its own or free"
+            + ("" if grew is None else f" (beyond it {grew:.1f} s into the burst)")
+            + f"; A {full.share.get('A', 0) // MiB} -> {burst.share.get('A', 0) // MiB} MiB; "
+            f"{run.seen['b_burst_preemptions']:.0f} preemptions in B; the burst took {run.seen['b_burst_s']:.1f} s"
         )
 
         sampler.phase = "A limited"
