@@ -170,6 +170,7 @@ class PageAllocator:
         # (``KVCacheManager.allocate_slots`` -> ``BlockPool.get_num_free_blocks``), ~290 times at
         # 256 requests.
         self.changes = 0
+        self.ops = 0  # pages mapped and unmapped so far (``kvcached.engine.steps``)
 
     # --- counts -------------------------------------------------------------------------------
 
@@ -368,6 +369,7 @@ class PageAllocator:
             if budget is not None:
                 self._leased += 1  # still held, given back at the next drain
             raise
+        self.ops += 1
         self.recorder.emit(PageMapped(self.base + page))
         return page
 
@@ -478,6 +480,7 @@ class PageAllocator:
                 self._reserved.discard(page)
                 heapq.heappush(self._free, page)
                 gone += 1
+                self.ops += 1
                 self.recorder.emit(PageUnmapped(self.base + page))
         finally:
             if gone and self.budget is not None:

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from kvcached.backends.host import HostBackend
+from kvcached.engine.steps import OpsPerStep
 from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
 from kvcached.ledger.events import BuildBoundary, Header, Policy, PoolGeometry
 from kvcached.ledger.segments import RotatedJournal
@@ -136,6 +137,7 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
         wake = None
         budget = None  # no KVCACHED_BUDGET
         page_log = None  # no step channel: the manager's backend holds the memory
+        page_ops = OpsPerStep(manager.allocator.ops)  # no scheduler steps it: no step counted
 
         def set_limit_bytes(self, n: int | None) -> None:
             manager.set_limit_pages(manager.geometry.num_pages if n is None else n // PAGE)

@@ -69,4 +69,4 @@ def test_the_series_table_in_the_docs_is_the_collector_s() -> None:
     text = (ROOT / "docs" / "operating.md").read_text()
     table = text[text.index("| Series |") : text.index("### Alert rules")]
     documented = set(re.findall(r"^\| `(vllm:kvcached_[a-z_]+)`", table, re.M))
-    assert documented == metrics.exposed_names()
+    assert documented == metrics.documented_names()

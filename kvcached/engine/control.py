@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..errors import LimitRefusedError
-from ..service.messages import BudgetStatus, EngineInfo, MemoryStatus
+from ..service.messages import BudgetStatus, EngineInfo, MemoryStatus, PageOpsHistogram
 from ..settings import format_size
 from ..version import KVCACHED_VERSION
 
@@ -26,10 +26,15 @@ if TYPE_CHECKING:
 
 
 def memory_status(
-    manager: KVCacheManager, page_cost: int, *, floor_pages: int = 0, floor_why: str = ""
+    manager: KVCacheManager,
+    page_cost: int,
+    *,
+    floor_pages: int = 0,
+    floor_why: str = "",
+    page_ops: PageOpsHistogram | None = None,
 ) -> MemoryStatus:
     """The manager's pages as ``kvctl status`` shows them (``page_cost``: one page in every
-    region and replica, what a page costs the budget)."""
+    region and replica, what a page costs the budget; ``page_ops``: per step, from the wing)."""
     st = manager.state()
     return MemoryStatus(
         page_bytes=page_cost,
@@ -44,6 +49,7 @@ def memory_status(
         held_pages=st.held,
         floor_pages=floor_pages,
         floor_why=floor_why,
+        page_ops=page_ops,
     )
 
 

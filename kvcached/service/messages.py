@@ -147,6 +147,20 @@ class BudgetStatus(msgspec.Struct, frozen=True, kw_only=True):
     wanted: int = 0
 
 
+class PageOpsHistogram(msgspec.Struct, frozen=True, kw_only=True):
+    """Page maps and unmaps per scheduler step (``kvcached.engine.steps``): ``counts[i]`` steps
+    made at most ``bounds[i]`` ops and more than the bound before; the last count, more than
+    every bound. ``sum``: ops in all."""
+
+    bounds: tuple[int, ...]
+    counts: tuple[int, ...]
+    sum: int
+
+    @property
+    def steps(self) -> int:
+        return sum(self.counts)
+
+
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The engine's pages as its allocator holds them (not the replica's lagging view)."""
 
@@ -161,6 +175,7 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     reason: str  # one line: within the limit, or what the shrink waits on
     held_pages: int = 0  # reserved pages a pin keeps mapped (the rest of the reserve may go)
     budget: BudgetStatus | None = None
+    page_ops: PageOpsHistogram | None = None  # per scheduler step, since the engine started
     # The least limit kvctl sets unforced: one request of max_model_len (and KVCACHED_MIN_KV_CACHE_MB)
     floor_pages: int = 0
     floor_why: str = ""  # what the floor is made of, for the refusal's line

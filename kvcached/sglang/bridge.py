@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..engine.steps import OpsPerStep
 from ..ledger.events import (
     BuildBoundary,
     JobBuilt,
@@ -45,6 +46,7 @@ class Bridge:
         self.manager = manager
         self.pool = pool  # the SGLang pool whose slots are the manager's blocks
         self.page_size = page_size
+        self.page_ops = OpsPerStep(manager.allocator.ops)  # page maps and unmaps per step (``step_done``)
         self.build = 0
         self._next_job = 0
         # Jobs submitted and not yet seen done, with their finish events.
@@ -101,6 +103,7 @@ class Bridge:
         did not map goes back, so that another engine can map it while this one runs or idles."""
         self.scheduling = False
         self.manager.drain_releasable()
+        self.page_ops.step_ended(self.manager.allocator.ops)
 
     def free(self, slots: list[int]) -> None:
         """The allocator frees ``slots`` (blocks, at page_size 1)."""

@@ -18,6 +18,7 @@ from ..service.messages import EngineInfo, MemoryStatus
 
 if TYPE_CHECKING:
     from ..budget import Budget
+    from ..engine.steps import OpsPerStep
     from ..kv_cache_manager import KVCacheManager
 
 # How long a limit waits for the scheduler's next step before it is reported as pending.
@@ -42,8 +43,10 @@ class SglangControl:
         *,
         floor_pages: int = 1,
         floor_why: str = "",
+        page_ops: OpsPerStep | None = None,
     ) -> None:
         self.manager = manager
+        self.page_ops = page_ops
         self.budget = budget
         self.page_cost = page_cost  # a page in every region: 2 * layers of them
         self.floor_pages = floor_pages  # the least limit set unforced, and what it yields down to
@@ -65,7 +68,10 @@ class SglangControl:
     def memory(self) -> MemoryStatus:
         """NOTE: the report reads the allocator's counts as they are between two changes of the
         limit (``apply``)."""
-        status = memory_status(self.manager, self.page_cost, floor_pages=self.floor_pages, floor_why=self.floor_why)
+        ops = None if self.page_ops is None else self.page_ops.snapshot()
+        status = memory_status(
+            self.manager, self.page_cost, floor_pages=self.floor_pages, floor_why=self.floor_why, page_ops=ops
+        )
         return with_budget(status, self.budget)
 
     def set_limit(self, size: int | None, force: bool = False) -> MemoryStatus:
@@ -111,7 +117,14 @@ class SglangControl:
 
 
 def engine_info(
-    *, socket: str, policy: str, sglang: str, budget: str | None, backend: str, page_size: int, page_cost: int
+    *,
+    socket: str,
+    policy: str,
+    sglang: str,
+    budget: str | None,
+    backend: str,
+    page_size: int,
+    page_cost: int = 0,
 ) -> EngineInfo:
     """Who this SGLang engine is (``kvcached.engine.control.engine_info``), from its server's
     arguments (``get_server_args``) where a server built it."""

@@ -210,6 +210,7 @@ class SglangEngine:
                 self.page_size,
                 floor_pages=self.floor_pages,
                 floor_why=floor_why,
+                page_ops=self.bridge.page_ops,
             )
             self.control = control
             self.service.service.control = control

@@ -75,6 +75,11 @@ SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
     "page_maps": ("counter", "Pages mapped (each in every layer and worker)", ()),
     "page_unmaps": ("counter", "Pages unmapped", ()),
     "jobs_failed": ("counter", "Offloading transfer jobs a worker reported failed (their pins released)", ()),
+    "page_ops_per_step": (
+        "histogram",
+        "Pages mapped and unmapped per scheduler step (each a map or unmap per layer region in every worker)",
+        (),
+    ),
     "budget_size_bytes": ("gauge", "A shared budget's size (absent: unbounded)", ()),
     "budget_used_bytes": ("gauge", "Bytes granted to every engine on a budget", ()),
     "budget_wanted_bytes": (
@@ -93,8 +98,17 @@ def _tested(version: str) -> bool:
         return False
 
 
+_SUFFIXES: Final = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
 def exposed_names() -> set[str]:
-    """Every series name a scrape can show, as Prometheus stores it (counters with ``_total``)."""
+    """Every series name a scrape can show, as Prometheus stores it (counters with ``_total``, a
+    histogram's ``_bucket``, ``_sum`` and ``_count``)."""
+    return {PREFIX + n + s for n, (kind, _, _) in SERIES.items() for s in _SUFFIXES[kind]}
+
+
+def documented_names() -> set[str]:
+    """One name per series as docs/operating.md tables them: a histogram by its own name."""
     return {PREFIX + n + ("_total" if kind == "counter" else "") for n, (kind, _, _) in SERIES.items()}
 
 
@@ -192,13 +206,13 @@ class Collector:
         return [(info, answered.get(path)) for path, info in sorted(self._known.items(), key=_by_index)]
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+        families = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
         made: dict[str, Any] = {}
         for name, (kind, doc, extra) in SERIES.items():
             labels = ["budget"] if name.startswith("budget_") else [*LABELS, *extra]
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            made[name] = cls(PREFIX + name, doc, labels=labels)
+            made[name] = families[kind](PREFIX + name, doc, labels=labels)
         info, up, limit, capacity, mapped = (
             made[n] for n in ("info", "engine_up", "memory_limit_bytes", "capacity_bytes", "mapped_bytes")
         )
@@ -259,12 +273,23 @@ class Collector:
                 waiting.add_metric([*lv, reason], n)
             if m.budget is not None:
                 budgets[m.budget.name] = m.budget
+            if m.page_ops is not None:
+                made["page_ops_per_step"].add_metric(lv, _buckets(m.page_ops), m.page_ops.sum)
         for name, b in sorted(budgets.items()):
             if b.size is not None:
                 budget_size.add_metric([name], b.size)
             budget_used.add_metric([name], b.used)
             budget_wanted.add_metric([name], b.wanted)
         yield from made.values()
+
+
+def _buckets(h: messages.PageOpsHistogram) -> list[tuple[str, float]]:
+    """Prometheus' cumulative buckets (``le``) of a per-bucket histogram, ``+Inf`` last."""
+    out, total = [], 0
+    for bound, n in zip((*map(str, h.bounds), "+Inf"), h.counts, strict=True):
+        total += n
+        out.append((bound, float(total)))
+    return out
 
 
 def page_states(m: messages.MemoryStatus) -> tuple[int, int, int, int]:

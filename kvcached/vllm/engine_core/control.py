@@ -109,7 +109,13 @@ class LiveControl:
                 waiting_on={},
                 reason="vLLM's own block pool",
             )
-        return memory_status(manager, self.page_cost, floor_pages=self.floor_pages, floor_why=self.floor_why)
+        return memory_status(
+            manager,
+            self.page_cost,
+            floor_pages=self.floor_pages,
+            floor_why=self.floor_why,
+            page_ops=self.engine.page_ops.snapshot(),
+        )
 
 
 def request_floor(scheduler: Any, blocks_per_page: int, page_cost: int, min_bytes: int = 0) -> tuple[int, str]:

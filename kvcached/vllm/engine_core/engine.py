@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ...backends.base import Backend
 from ...budget import Budget
 from ...engine.config import CoreConfig
+from ...engine.steps import OpsPerStep
 from ...errors import ConfigError, KvcachedError
 from ...kv_cache_manager import KVCacheManager, KVGeometry
 from ...ledger.events import Header, Policy
@@ -103,6 +104,7 @@ class Engine:
         self.wake: Callable[[], None] | None = None  # steps an idle engine core (set at busy-loop start)
         # The manager's hand on the budget where its unmaps are decisions for the workers.
         self.deferred: DeferredRelease | None = None
+        self.page_ops = OpsPerStep(0 if manager is None else manager.allocator.ops)
         self._closed = False
         self._failed = False
 
@@ -110,6 +112,11 @@ class Engine:
         """Let the allocator unmap what the ledger released (after a scheduler call's events)."""
         if self.manager is not None:
             self.manager.drain_releasable()
+
+    def step_ended(self) -> None:
+        """``Scheduler.schedule`` returned: count the page ops decided since the last one did."""
+        if self.manager is not None:
+            self.page_ops.step_ended(self.manager.allocator.ops)
 
     def batch_applied(self, message: tuple[int, ...] | None) -> None:
         """Every worker applied the step channel's batch ``message`` (and those before it): the

@@ -36,6 +36,8 @@ class Engine(Protocol):
 
     def drain(self) -> None: ...
 
+    def step_ended(self) -> None: ...
+
     def batch_applied(self, message: tuple[int, ...] | None) -> None: ...
 
     def failed(self, where: str, exc: BaseException) -> None: ...
@@ -89,6 +91,8 @@ def _wrap(engine: Engine, name: str, fn: Callable[..., Any]) -> Callable[..., An
       (``Engine.batch_applied``).
     * The allocator drains the pages the call's events released, once, as vLLM's own
       ``Scheduler.schedule`` drains ``BlockPool.take_events`` once a step.
+    * ``schedule`` ends a step: the page ops decided since the last one are counted
+      (``Engine.step_ended``, ``kvcached.engine.steps``).
     * ``shutdown`` closes the engine (journal, ledger service, budget) after vLLM's
       (``close_logged``).
 
@@ -98,7 +102,8 @@ def _wrap(engine: Engine, name: str, fn: Callable[..., Any]) -> Callable[..., An
     lock = engine.lock
     bridge = engine.bridge
     closes = name in _FREEING and not engine.offloading and engine.manager is not None
-    page_log = engine.page_log if name == "schedule" else None
+    scheduled = name == "schedule"
+    page_log = engine.page_log if scheduled else None
     applied = name == "update_from_output" and engine.page_log is not None
     shutdown = name == "shutdown"
 
@@ -114,6 +119,8 @@ def _wrap(engine: Engine, name: str, fn: Callable[..., Any]) -> Callable[..., An
                     if closes:
                         bridge.close_build()
                     engine.drain()
+                if scheduled:
+                    engine.step_ended()
                 if page_log is not None:
                     setattr(out, ATTR, page_log.take())
             except Exception as exc:
