@@ -31,6 +31,9 @@ page-aware pool is built as the plugin builds it (5..10 reserved pages) with 32 
 (a 2 MiB page of one layer of an 8B llama's 64 KiB blocks) and no cap on the prefix cache, so
 that every variant schedules the same tokens (the report counts steps where they differ).
 
+Each kvcached variant also reports its page maps and unmaps over the measured steps
+(``kvcached.engine.steps``): how many steps made none, the ops in all, the most in one step.
+
 ``--callgrind`` also counts the instructions of the same steps under valgrind's callgrind:
 one process per workload, instrumentation off until the schedulers are warm, collection on only
 inside ``operator.call`` (the timed calls go through it) and one dump per variant. Counts are
@@ -243,6 +246,7 @@ def measure(w: Workload, alternations: int) -> dict[str, Any]:
         gc.freeze()  # as vLLM's engine core does once it is up
         times: dict[str, list[float]] = {v.name: [] for v in vs}
         warm_steps = [v.steps for v in vs]
+        ops_before = {v.name: v.engine.page_ops.snapshot() for v in vs if v.name.startswith("kvcached")}
         for i in range(alternations):
             k = i % len(vs)
             for v in vs[k:] + vs[:k]:  # rotating order: no variant always runs first
@@ -253,8 +257,21 @@ def measure(w: Workload, alternations: int) -> dict[str, Any]:
             for v, ws in zip(vs, warm_steps, strict=True)
         }
         running = len(vs[0].h.scheduler.running)
+        ops = {n: page_ops_window(h, v.engine.page_ops.snapshot()) for v in vs if (h := ops_before.get(n := v.name))}
         gc.unfreeze()
-    return {"times": times, "differ": differ, "running": running, "alternations": alternations}
+    return {"times": times, "differ": differ, "running": running, "alternations": alternations, "page_ops": ops}
+
+
+def page_ops_window(before: Any, after: Any) -> str:
+    """Page maps and unmaps per step over the measured steps (``kvcached.engine.steps``), in words:
+    how many steps made none, and the most any step's bucket allows."""
+    counts = [b - a for a, b in zip(before.counts, after.counts, strict=True)]
+    steps, ops = sum(counts), after.sum - before.sum
+    if not steps:
+        return "no step"
+    top = max(i for i, n in enumerate(counts) if n)
+    most = f"at most {after.bounds[top]}" if top < len(after.bounds) else f"over {after.bounds[-1]}"
+    return f"{counts[0]} of {steps} steps mapped and unmapped no page; {ops} ops in all, {most} in a step"
 
 
 # --- statistics ------------------------------------------------------------------------------
@@ -389,6 +406,8 @@ def report(w: Workload, m: dict[str, Any] | None, ir: dict[str, float] | None) -
         if m["differ"].get(name):
             line += f"  ({m['differ'][name]} steps scheduled other tokens than vllm)"
         print(line)
+    for name, words in m.get("page_ops", {}).items():
+        print(f"{name}: page ops over the measured steps: {words}")
 
 
 def main() -> int:

@@ -147,11 +147,6 @@ def _refusal(version: str, row: Patch, target: str) -> ConfigError:
 _UNKNOWN: Final = "(unknown version)"
 
 
-def _holding(rows: tuple[Patch, ...], version: str) -> list[Patch]:
-    """The rows that hold for ``version``."""
-    return [p for p in rows if p.holds_for(version)]
-
-
 def _version() -> str:
     try:
         from .engine import sglang_version
@@ -290,7 +285,8 @@ def install(*, strict: bool = False) -> None:
     untested = _check(version, strict=strict)
     if untested is not None:
         log.warning("[kvcached] %s", untested)
-    rows = _holding(PATCHES, version)
+    # The rows of this release whose targets are there (the table's own checker, as ``_check``).
+    rows = [row for row, _ in present(PATCHES, version, lambda row, target: _refusal(version, row, target))]
     around = {
         "_create_buffers_normal": _create_buffers,
         "_create_buffers": _create_latent_buffers,
