@@ -270,7 +270,7 @@ def page_ops_window(before: Any, after: Any) -> str:
     if not steps:
         return "no step"
     top = max(i for i, n in enumerate(counts) if n)
-    most = f"at most {after.bounds[top]}" if top < len(after.bounds) else f"over {after.bounds[-1]}"
+    most = f"at most {after.bounds[top]:g}" if top < len(after.bounds) else f"over {after.bounds[-1]:g}"
     return f"{counts[0]} of {steps} steps mapped and unmapped no page; {ops} ops in all, {most} in a step"
 
 

@@ -22,6 +22,7 @@ import msgspec
 
 from .backends.base import PageStillMappedError
 from .errors import BackendError, CapacityError, KvcachedError
+from .holds import HoldClock
 from .ledger.events import MemoryLimit, PageMapped, PageUnmapped
 from .ledger.findings import plural
 from .ledger.recorder import Recorder
@@ -171,6 +172,7 @@ class PageAllocator:
         # 256 requests.
         self.changes = 0
         self.ops = 0  # pages mapped and unmapped so far (``kvcached.engine.steps``)
+        self.holds = HoldClock()  # how long pins keep emptied pages (``kvcached.holds``)
 
     # --- counts -------------------------------------------------------------------------------
 
@@ -302,6 +304,8 @@ class PageAllocator:
             self._goable.discard(page)
         else:
             page = self._map_new()
+        if self.holds:
+            self.holds.end((page,))
         self._in_use.add(page)
         self._top_up()
         return page
@@ -319,6 +323,8 @@ class PageAllocator:
                 )
             self._reserved.discard(page)
             self._goable.discard(page)
+            if self.holds:
+                self.holds.end((page,))
         elif self.shrinking:
             raise OutOfPagesError(
                 f"a shrink to {self.limit} pages is pending ({self.mapped} mapped): page {page} cannot be mapped"
@@ -340,6 +346,8 @@ class PageAllocator:
             self._reserved.add(page)
             if page in fresh:
                 self._goable.add(page)
+            else:
+                self.holds.begin(page)  # a pin keeps it (the ledger did not let it go with the free)
             self._trim()
 
     def _map_new(self, page: int | None = None) -> int:
@@ -437,7 +445,10 @@ class PageAllocator:
             return _NONE
         base, n = self.base, self.num_pages
         fresh = {gp - base for gp in ledger.take_fresh_releasable() if 0 <= gp - base < n}
-        self._goable |= fresh & self._reserved
+        let_go = fresh & self._reserved
+        self._goable |= let_go
+        if self.holds:
+            self.holds.end(let_go)
         self.changes += 1
         return fresh
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..errors import LimitRefusedError
-from ..service.messages import BudgetStatus, EngineInfo, MemoryStatus, PageOpsHistogram
+from ..service.messages import BudgetStatus, EngineInfo, Histogram, MemoryStatus
 from ..settings import format_size
 from ..version import KVCACHED_VERSION
 
@@ -31,10 +31,11 @@ def memory_status(
     *,
     floor_pages: int = 0,
     floor_why: str = "",
-    page_ops: PageOpsHistogram | None = None,
+    page_ops: Histogram | None = None,
 ) -> MemoryStatus:
     """The manager's pages as ``kvctl status`` shows them (``page_cost``: one page in every
-    region and replica, what a page costs the budget; ``page_ops``: per step, from the wing)."""
+    region and replica, what a page costs the budget; ``page_ops``: per step, from the wing; how long
+    pins held emptied pages, from the allocator)."""
     st = manager.state()
     return MemoryStatus(
         page_bytes=page_cost,
@@ -50,6 +51,7 @@ def memory_status(
         floor_pages=floor_pages,
         floor_why=floor_why,
         page_ops=page_ops,
+        page_holds=manager.allocator.holds.snapshot(),
     )
 
 

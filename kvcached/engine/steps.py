@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from typing import Final
 
-from ..service.messages import PageOpsHistogram
+from ..service.messages import Histogram
 
 # Upper bounds of the buckets (Prometheus' ``le``); a last bucket holds the rest (+Inf).
 BOUNDS: Final = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -39,5 +39,5 @@ class OpsPerStep:
         self._counts[bisect.bisect_left(BOUNDS, n)] += 1
         self._sum += n
 
-    def snapshot(self) -> PageOpsHistogram:
-        return PageOpsHistogram(bounds=BOUNDS, counts=tuple(self._counts), sum=self._sum)
+    def snapshot(self) -> Histogram:
+        return Histogram(bounds=BOUNDS, counts=tuple(self._counts), sum=self._sum)

@@ -147,17 +147,18 @@ class BudgetStatus(msgspec.Struct, frozen=True, kw_only=True):
     wanted: int = 0
 
 
-class PageOpsHistogram(msgspec.Struct, frozen=True, kw_only=True):
-    """Page maps and unmaps per scheduler step (``kvcached.engine.steps``): ``counts[i]`` steps
-    made at most ``bounds[i]`` ops and more than the bound before; the last count, more than
-    every bound. ``sum``: ops in all."""
+class Histogram(msgspec.Struct, frozen=True, kw_only=True):
+    """Observations by bucket, as Prometheus' histograms hold them: ``counts[i]`` observations
+    were at most ``bounds[i]`` and more than the bound before; the last count, more than every
+    bound. ``sum``: of every observation. Page maps and unmaps per scheduler step
+    (``kvcached.engine.steps``), seconds a pin held an emptied page (``kvcached.holds``)."""
 
-    bounds: tuple[int, ...]
+    bounds: tuple[float, ...]
     counts: tuple[int, ...]
-    sum: int
+    sum: float
 
     @property
-    def steps(self) -> int:
+    def observed(self) -> int:
         return sum(self.counts)
 
 
@@ -175,7 +176,9 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     reason: str  # one line: within the limit, or what the shrink waits on
     held_pages: int = 0  # reserved pages a pin keeps mapped (the rest of the reserve may go)
     budget: BudgetStatus | None = None
-    page_ops: PageOpsHistogram | None = None  # per scheduler step, since the engine started
+    page_ops: Histogram | None = None  # per scheduler step, since the engine started
+    # Seconds each emptied page was kept mapped by a pin, since the engine started (``kvcached.holds``)
+    page_holds: Histogram | None = None
     # The least limit kvctl sets unforced: one request of max_model_len (and KVCACHED_MIN_KV_CACHE_MB)
     floor_pages: int = 0
     floor_why: str = ""  # what the floor is made of, for the refusal's line

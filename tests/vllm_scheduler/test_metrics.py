@@ -17,6 +17,7 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from kvcached.holds import BOUNDS as HOLD_BOUNDS  # noqa: E402
 from kvcached.ledger.findings import INVARIANTS  # noqa: E402
 from kvcached.service import messages  # noqa: E402
 from kvcached.service.ledger_service import BackgroundService, ServiceConfig  # noqa: E402
@@ -78,6 +79,8 @@ def _engine(
         reason="shrink pending",
         held_pages=1,
         budget=budget,
+        # Two holds ended: one of 0.3 s, one of 40 s (over 30, within 60).
+        page_holds=messages.Histogram(bounds=HOLD_BOUNDS, counts=(0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0), sum=40.3),
     )
     bg = BackgroundService.start(synth.header(), ServiceConfig(socket=path))
     bg.service.control = Control(info, memory)
@@ -145,6 +148,13 @@ def test_series_join_vllm_s_labels_start_at_zero_and_partition_the_pages(folder:
     assert got["vllm:kvcached_budget_used_bytes"] == [({"budget": "gpu0"}, 24.0 * PAGE)]
     assert got["vllm:kvcached_budget_wanted_bytes"] == [({"budget": "gpu0"}, 0.0)]  # nobody short
     assert sorted((lv["engine"], v) for lv, v in got["vllm:kvcached_jobs_failed_total"]) == [("0", 0.0), ("1", 0.0)]
+    # The hold histogram in Prometheus' shape: cumulative buckets, vLLM's bounds as prometheus_client
+    # writes them, +Inf last.
+    holds = {lv["le"]: v for lv, v in got["vllm:kvcached_page_hold_seconds_bucket"] if lv["engine"] == "0"}
+    assert list(holds)[:4] == ["0.01", "0.05", "0.1", "0.5"] and list(holds)[-1] == "+Inf"
+    assert (holds["0.1"], holds["0.5"], holds["30.0"], holds["60.0"], holds["+Inf"]) == (0, 1, 1, 2, 2)
+    assert [v for lv, v in got["vllm:kvcached_page_hold_seconds_count"] if lv["engine"] == "0"] == [2.0]
+    assert [v for lv, v in got["vllm:kvcached_page_hold_seconds_sum"] if lv["engine"] == "0"] == [40.3]
 
 
 def test_an_engine_that_stops_answering_reads_engine_up_0_not_absent(folder: Path) -> None:

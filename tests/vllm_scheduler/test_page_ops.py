@@ -29,7 +29,7 @@ def test_each_schedule_is_a_step_and_its_page_ops_are_the_ledger_s() -> None:
             h.add_request(prompt=h.make_prompt(40 + 8 * i, seed=i), max_tokens=24)
         h.run_until_idle()
         hist = kvc.engine.page_ops.snapshot()
-        assert hist.steps == len(h.history)
+        assert hist.observed == len(h.history)
         assert hist.sum == kvc.ledger.maps + kvc.ledger.unmaps - at_start > 0
         assert hist.counts[0] > 0  # steps that mapped nothing: the reserve absorbed them
     finally:
@@ -42,7 +42,7 @@ def test_the_buckets_hold_each_step_once_by_its_count() -> None:
     for total in (3, 4, 4, 7, 7 + 300):  # steps of 0, 1, 0, 3 and 300 ops
         ops.step_ended(total)
     h = ops.snapshot()
-    assert h.bounds == BOUNDS and h.sum == 304 and h.steps == 5
+    assert h.bounds == BOUNDS and h.sum == 304 and h.observed == 5
     assert dict(zip((*BOUNDS, "inf"), h.counts, strict=True)) == {
         0: 2,
         1: 1,

@@ -80,6 +80,11 @@ SERIES: Final[dict[str, tuple[str, str, tuple[str, ...]]]] = {
         "Pages mapped and unmapped per scheduler step (each a map or unmap per layer region in every worker)",
         (),
     ),
+    "page_hold_seconds": (
+        "histogram",
+        "How long a pin (offloading job, grace, window) kept an emptied page mapped, observed when it let go",
+        (),
+    ),
     "budget_size_bytes": ("gauge", "A shared budget's size (absent: unbounded)", ()),
     "budget_used_bytes": ("gauge", "Bytes granted to every engine on a budget", ()),
     "budget_wanted_bytes": (
@@ -273,8 +278,9 @@ class Collector:
                 waiting.add_metric([*lv, reason], n)
             if m.budget is not None:
                 budgets[m.budget.name] = m.budget
-            if m.page_ops is not None:
-                made["page_ops_per_step"].add_metric(lv, _buckets(m.page_ops), m.page_ops.sum)
+            for series, h in (("page_ops_per_step", m.page_ops), ("page_hold_seconds", m.page_holds)):
+                if h is not None:
+                    made[series].add_metric(lv, _buckets(h), h.sum)
         for name, b in sorted(budgets.items()):
             if b.size is not None:
                 budget_size.add_metric([name], b.size)
@@ -283,10 +289,13 @@ class Collector:
         yield from made.values()
 
 
-def _buckets(h: messages.PageOpsHistogram) -> list[tuple[str, float]]:
-    """Prometheus' cumulative buckets (``le``) of a per-bucket histogram, ``+Inf`` last."""
+def _buckets(h: messages.Histogram) -> list[tuple[str, float]]:
+    """Prometheus' cumulative buckets of a per-bucket histogram, ``+Inf`` last, each ``le`` written
+    as ``prometheus_client`` writes its own histograms' (``floatToGoString``: "0.0", "2.5")."""
+    from prometheus_client.utils import floatToGoString
+
     out, total = [], 0
-    for bound, n in zip((*map(str, h.bounds), "+Inf"), h.counts, strict=True):
+    for bound, n in zip((*map(floatToGoString, h.bounds), "+Inf"), h.counts, strict=True):
         total += n
         out.append((bound, float(total)))
     return out
