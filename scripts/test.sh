@@ -88,7 +88,7 @@ bash scripts/build-compiled.sh .venv/compiled
 KVCACHED_EXPECT_COMPILED=1 PYTHONPATH=.venv/compiled .venv/bin/python -P -m pytest -q -p no:cacheprovider \
     tests/test_ledger.py tests/test_ledger_model.py tests/test_journal.py tests/test_live.py \
     tests/test_kv_cache_manager.py tests/test_available_size.py tests/test_invariants.py tests/test_cached_blocks.py \
-    tests/test_budget.py tests/test_budget_race.py tests/test_placement.py
+    tests/test_budget.py tests/test_budget_race.py tests/test_placement.py tests/test_holds.py
 echo "--- the release: the sdist and wheel python -m build makes, installed into a fresh venv, compiled and with CC=false"
 bash scripts/check-wheel.sh
 echo "--- real vLLM 0.34.0 (scheduler, OffloadingConnector) with kvcached underneath"

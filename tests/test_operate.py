@@ -11,7 +11,6 @@ import io
 import json
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,17 +18,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcached.backends.host import HostBackend
-from kvcached.engine.steps import OpsPerStep
-from kvcached.kv_cache_manager import KVCacheManager, KVGeometry
-from kvcached.ledger.events import BuildBoundary, Header, Policy, PoolGeometry
+from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.ledger.events import BuildBoundary, Header, PoolGeometry
 from kvcached.ledger.segments import RotatedJournal
-from kvcached.service import messages
 from kvcached.service.flight import FlightRecorder
 from kvcached.service.ledger_service import BackgroundService, ServiceConfig
 from kvcached.settings import parse_size
 from kvcached.vllm.api_server.startup import serve_port
 from kvcached.vllm.engine_core.control import LiveControl
+from kvcached.vllm.testing.live_engine import LiveEngine
 from kvctl import cli as kvctl
 from kvreplay.cli import main as kvreplay
 
@@ -124,42 +121,12 @@ def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     """A ledger service on a socket in a private runtime directory, over a real manager."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("KVCACHED_LEDGER_SOCKET", raising=False)
-    geo = KVGeometry(num_blocks=64, block_bytes=PAGE // 4, page_bytes=PAGE)
-    manager = KVCacheManager.standalone(geo, HostBackend(page_bytes=PAGE), policy=Policy.LEDGER)
-    folder = tmp_path / "kvcached"
-    sock = str(folder / f"ledger-{os.getpid()}.sock")
-    bg = BackgroundService.start(manager.recorder.ledger.header, ServiceConfig(socket=sock, flight_events=64))
-    manager.recorder.sink = bg.producer
-
-    class Engine:  # what LiveControl needs of engine_core.engine.Engine, over the manager alone
-        lock = threading.RLock()
-        offloading = True
-        wake = None
-        budget = None  # no KVCACHED_BUDGET
-        page_log = None  # no step channel: the manager's backend holds the memory
-        page_ops = OpsPerStep(manager.allocator.ops)  # no scheduler steps it: no step counted
-
-        def set_limit_bytes(self, n: int | None) -> None:
-            manager.set_limit_pages(manager.geometry.num_pages if n is None else n // PAGE)
-
-    eng = Engine()
-    eng.manager, eng.service = manager, bg  # type: ignore[attr-defined]
-    info = messages.EngineInfo(
-        model="tiny-llama",
-        pid=os.getpid(),
-        api_pid=None,
-        port=8123,
-        socket=sock,
-        started_unix=0.0,
-        policy="ledger",
-        engine="vLLM -",
-        kvcached="-",
-    )
-    bg.service.control = CONTROLS[sock] = LiveControl(eng, info, PAGE)  # type: ignore[arg-type]
+    eng = LiveEngine(tmp_path / "kvcached", page=PAGE)
+    CONTROLS[eng.socket] = eng.control
     try:
-        yield sock, manager
+        yield eng.socket, eng.manager
     finally:
-        bg.close()
+        eng.close()
 
 
 def kv(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

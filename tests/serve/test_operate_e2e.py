@@ -32,6 +32,7 @@ pytestmark = pytest.mark.vllm
 
 MiB = 1 << 20
 KV = 128 * MiB
+API_KEY = "operate-key"
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,15 @@ def _serve(model: str, out: Path, kvcached: bool, runtime: Path) -> tuple[list[C
     env = {"XDG_RUNTIME_DIR": str(runtime)}
     if kvcached:
         env.update(KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0", KVCACHED_DUMP_DIR=str(out))
-    cfg = ServerConfig(model=model, kvcached=kvcached, env=env, kv_cache_bytes=KV, cpu_offload_bytes=16 * MiB)
+        env.update(VLLM_PLUGINS="kvcached")  # and kvctl's status and limit over HTTP (api_server.http)
+    cfg = ServerConfig(
+        model=model,
+        kvcached=kvcached,
+        env=env,
+        kv_cache_bytes=KV,
+        cpu_offload_bytes=16 * MiB,
+        api_key=API_KEY if kvcached else None,
+    )
     seen: dict[str, Any] = {}
     outputs: list[Completion] = []
     server = Server(cfg, out / f"operate-{'kvcached' if kvcached else 'native'}.log").start()
@@ -117,6 +126,13 @@ def _serve(model: str, out: Path, kvcached: bool, runtime: Path) -> tuple[list[C
             seen["status_after_refusal"] = _kvctl(runtime, "status", "--json")
             seen["why"] = _kvctl(runtime, "why", "0", "--json")
             seen["raised"] = _kvctl(runtime, "limit", "none", "--json")
+            # The same over HTTP on vLLM's port, behind its --api-key: the engine's own answers.
+            seen["http_unauthorized"] = server.get("/v1/kvcached/status", auth=False)
+            seen["http_status"] = server.get("/v1/kvcached/status")
+            seen["http_too_low"] = server.post("/v1/kvcached/limit", {"size": "1M"})
+            seen["http_limit"] = server.post("/v1/kvcached/limit", {"size": f"{KV // 2 // MiB}M", "engine": 0})
+            seen["status_http_limited"] = _kvctl(runtime, "status", "--json")
+            seen["http_raised"] = server.post("/v1/kvcached/limit", {"size": "none"})
             outputs += [server.complete(p, n) for p, n in steady[:3]]
             time.sleep(0.5)
             with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
@@ -211,3 +227,22 @@ def test_a_killed_engine_is_not_listed_as_alive(served: dict[str, Any]) -> None:
     seen = served["seen"]
     assert seen["list_after_kill"] == []
     assert [e["alive"] for e in seen["list_all_after_kill"]] == [False]
+
+
+def test_status_and_limit_over_http_are_behind_vllm_s_api_key_and_are_the_engine_s(served: dict[str, Any]) -> None:
+    seen = served["seen"]
+    assert seen["http_unauthorized"][0] == 401  # vLLM's own middleware guards /v1
+    code, status = seen["http_status"]
+    assert code == 200, status
+    (row,) = status["engines"]
+    assert row["up"] and "tiny-llama" in row["engine"]["model"] and row["engine"]["index"] == 0
+    assert row["memory"]["num_pages"] == seen["status_limited"]["memory"]["num_pages"]
+    code, refused = seen["http_too_low"]
+    assert code == 409 and "below this engine's floor" in refused["error"], refused
+    code, limited = seen["http_limit"]
+    assert code == 200, limited
+    (mine,) = limited["engines"]
+    assert mine["memory"]["limit_pages"] * mine["memory"]["page_bytes"] <= KV // 2
+    assert seen["status_http_limited"]["memory"]["limit_bytes"] <= KV // 2  # kvctl sees what HTTP set
+    code, raised = seen["http_raised"]
+    assert code == 200 and raised["engines"][0]["memory"]["limit_pages"] == row["memory"]["num_pages"], raised

@@ -149,6 +149,12 @@ def install(api_pid: int) -> None:
     log.info("[kvcached] metrics: kvcached's series on the /metrics of API server pid %d", os.getpid())
 
 
+def collector() -> Collector | None:
+    """This API server's collector (``install``), which also finds its engines for the HTTP
+    routes (``api_server.http``); None in any other process."""
+    return _collector
+
+
 def families() -> list[Any]:
     """This API server's kvcached families for a multiprocess scrape; none where there is no
     collector (an engine core, a worker) or when collecting fails (logged once: vLLM's own series
@@ -189,6 +195,11 @@ class Collector:
 
     def poll(self) -> list[tuple[messages.EngineInfo, messages.StatusReply | None]]:
         """Each engine of this server with its status; None for a known one that did not answer."""
+        return [(info, st) for _, info, st in self.found()]
+
+    def found(self) -> list[tuple[str, messages.EngineInfo, messages.StatusReply | None]]:
+        """Each engine of this server, by index: its socket, who it is, its status (None for a
+        known one that did not answer)."""
         answered: dict[str, messages.StatusReply] = {}
         for path in live.known_sockets(self.folder):
             try:
@@ -208,7 +219,7 @@ class Collector:
                 continue
             answered[path] = reply
             self._known[path] = reply.engine
-        return [(info, answered.get(path)) for path, info in sorted(self._known.items(), key=_by_index)]
+        return [(path, info, answered.get(path)) for path, info in sorted(self._known.items(), key=_by_index)]
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily

@@ -6,8 +6,9 @@ on host backends; ``kv_specs``: the model kinds it lays out); ``scenarios`` runs
 #598's freed-block-copy cases on it (kvsim, in ``tools/kvsim``, drives it too). ``e2e`` starts
 real ``vllm serve`` processes of a tiny model; ``demo`` is the
 main job, ``elastic`` two engines on one budget, ``nodes`` two nodes on one machine,
-``late_rank`` an offloading spec whose second rank acknowledges late. Never imported by a
-served process.
+``late_rank`` an offloading spec whose second rank acknowledges late, ``live_engine`` one
+engine's ledger socket and ``LiveControl`` over a real manager (what kvctl and the HTTP routes
+reach). Never imported by a served process.
 """
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "host_engine",
     "kv_specs",
     "late_rank",
+    "live_engine",
     "nodes",
     "records",
     "scenarios",

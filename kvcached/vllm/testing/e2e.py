@@ -73,6 +73,8 @@ class ServerConfig:
     cpu_offload_bytes: int | None = 64 << 20  # None: no offloading
     max_model_len: int = 2048
     extra_args: tuple[str, ...] = ()
+    # vLLM's --api-key: the client below sends it on every request (``auth=False``: without it).
+    api_key: str | None = None
     # ``vllm serve``'s own entry (vllm.entrypoints.cli.main) instead of the api_server module's:
     # only it runs several API servers (``--api-server-count``, cli/serve.py's run_multi_api_server).
     serve_cli: bool = False
@@ -158,6 +160,8 @@ class Server:
                 },
             }
             args += ["--kv-transfer-config", json.dumps(ktc)]
+        if c.api_key is not None:
+            args += ["--api-key", c.api_key]
         return args + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -284,7 +288,13 @@ class Server:
     # --- client -------------------------------------------------------------------------------
 
     def post(
-        self, path: str, body: dict[str, Any] | None = None, timeout: float = 300.0, *, rank: int | None = None
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout: float = 300.0,
+        *,
+        rank: int | None = None,
+        auth: bool = True,
     ) -> tuple[int, Any]:
         """POST ``body``; ``rank``: to that data-parallel engine (vLLM's ``X-data-parallel-rank``
         header, read by its OpenAI serving layer's ``_get_data_parallel_rank``)."""
@@ -292,13 +302,28 @@ class Server:
         headers = {"Content-Type": "application/json"}
         if rank is not None:
             headers["X-data-parallel-rank"] = str(rank)
-        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
+        return self._send(
+            urllib.request.Request(self.url + path, data=data, headers=headers, method="POST"), timeout, auth
+        )
+
+    def get(self, path: str, timeout: float = 60.0, *, auth: bool = True) -> tuple[int, Any]:
+        return self._send(urllib.request.Request(self.url + path, method="GET"), timeout, auth)
+
+    def _send(self, req: urllib.request.Request, timeout: float, auth: bool) -> tuple[int, Any]:
+        """(status, the JSON answer or ``{"error": text}``), with the server's API key if ``auth``."""
+        if auth and self.config.api_key is not None:
+            req.add_header("Authorization", f"Bearer {self.config.api_key}")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw = r.read()
                 return r.status, json.loads(raw) if raw else {}
         except urllib.error.HTTPError as e:
-            return e.code, {"error": e.read().decode("utf-8", "replace")}
+            text = e.read().decode("utf-8", "replace")
+            try:
+                answer = json.loads(text)
+            except ValueError:
+                answer = None
+            return e.code, answer if isinstance(answer, dict) else {"error": text}
 
     def complete(self, prompt: str, max_tokens: int, *, logprobs: int = 5, rank: int | None = None) -> Completion:
         t0 = time.perf_counter()
