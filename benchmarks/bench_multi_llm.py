@@ -1,26 +1,33 @@
-"""Several models sharing one machine's KV memory: one budget (kvcached) against static caches.
+"""Several models sharing one machine's KV memory, four arms side by side in one run.
 
-What users pick kvcached for (upstream reports 2-28x lower time to first token for three models
-sharing a GPU under intermittent peaks than static partitions), measured here with CPU
-offloading on, the combination this project makes safe. Two systems serve the same bursty load:
+Upstream kvcached's headline for several models on one GPU with CPU offloading
+(``benchmarks/bench_offload_vs_kvcached/RESULTS.md``: two Qwen3-4B on an A100-40G, staggered
+bursts) compares static partitions, static + vLLM's native CPU offloading and kvcached; no arm
+there combines kvcached with offloading, which is what this project makes safe. Here, with the
+same tiny llama and flags in every arm:
 
 * **static**: N native ``vllm serve`` engines, each with an equal share of the KV memory as its
   own cache (``--kv-cache-memory-bytes total/N``), as one partitions a GPU today;
+* **static+offload**: the same, each with vLLM's OffloadingConnector and a CPU tier;
 * **kvcached**: N ``ENABLE_KVCACHED=1`` engines naming one budget of the same total, each able to
-  grow into all of it (its cache is sized at the total; the budget bounds the sum), with no
-  prefix cache kept on pages (``KVCACHED_MAX_CACHED_TOKENS=0``) and no reserve, so that an
-  engine whose requests end gives its pages back by itself, for the next burst elsewhere.
+  grow into all of it (its cache is sized at the total; the budget bounds the sum), at kvcached's
+  default reserve and prefix-cache cap (an engine short of the budget makes the idle ones give
+  back: ``kvcached.budget.Budget.ask``), pages of one block per layer for the tiny model;
+* **kvcached+offload**: the same on a budget of its own, with the CPU tier.
 
-Both have the same tiny llama, flags and CPU tier (``--kv-transfer-config`` OffloadingConnector).
-The load comes in phases: each model busy alone in turn (a burst of concurrent requests that
-needs more KV than a static share holds), then two at once, then all. Each phase is run on one
-system and then the other, the order alternating by round, so that the machine's drift hits
-both alike; servers of both systems are up throughout, idle when not in the phase. Per request,
-the time to first token (streamed), and per system TTFT mean and p99, output tokens per second
-over the phases' wall time, vLLM's preemption counter (``vllm:num_preemptions_total``), and
-how many greedy completions are identical in the two systems. A sampler reads the budget
-every 0.1 s: it must never be over its size (the run fails if it is). Prints a markdown table and draws
-``multi_llm.png`` (TTFT by phase, and the budget's engines over time).
+The load is upstream's shape scaled down: staggered bursts, each model busy alone in turn, then
+two at once, then all; in each burst every conversation of a busy model takes its next turn at
+once (its history, four blocks of 128 tokens, then the turn's own text), so that a history
+evicted from the GPU since the model's last burst is recomputed, or restored from the CPU tier
+where there is one. Each phase runs
+on every arm, the order rotating by phase, so that the machine's drift hits all alike; every
+arm's servers are up throughout, idle when not in the phase. Per request the time to first token
+(streamed); per arm and per phase TTFT mean / p50 / p99 (with fewer than 100 requests the p99 is
+the largest: the table says so), output tokens per second over the phases' wall time, vLLM's
+preemption counter, CPU-tier hits (``vllm:external_prefix_cache_hits``, tokens) and bytes moved
+(``vllm:kv_offload_load_bytes`` and ``..._store_bytes``). A sampler reads both budgets every
+0.1 s: neither may ever be over its size (the run fails if one is). Prints markdown tables and
+draws ``multi_llm.png`` (TTFT by phase and arm, and the kvcached+offload workers' KV over time).
 
     .venv-cpu/bin/python benchmarks/bench_multi_llm.py [--engines 3] [--rounds 2] [--out DIR]
     .venv-cpu/bin/python benchmarks/bench_multi_llm.py --short   # 2 engines, 1 round (the main job's)
@@ -47,16 +54,35 @@ from kvcached.vllm.testing.e2e import Server, ServerConfig, kv_resident_bytes
 
 MiB = 1 << 20
 SHARE = 32 * MiB  # one static engine's cache: 16 blocks of 128 tokens (2 MiB each over 8 layers)
-CPU_TIER = 32 * MiB
+CPU_TIER = 64 * MiB  # 32 blocks: the histories of every conversation of an engine
 MAX_MODEL_LEN = 1536  # vLLM wants one request of it to fit a cache, less its null block
-BUDGET = "multi"
-PAGE_MB = "0.25"  # a page of one block per layer: memory moves block by block
-SYSTEMS = ("static", "kvcached")
+PAGE_MB = "0.25"  # a page of one block per layer: the tiny model's memory moves block by block
+HISTORY_CHARS = 3300  # a conversation's history: about 500 tokens, four blocks
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    kvcached: bool
+    offload: bool
+
+    @property
+    def budget(self) -> str:
+        return f"multi-{'off' if self.offload else 'gpu'}"
+
+
+ARMS = (
+    Arm("static", False, False),
+    Arm("static+offload", False, True),
+    Arm("kvcached", True, False),
+    Arm("kvcached+offload", True, True),
+)
+HEADLINE = ("static+offload", "kvcached+offload")  # upstream's comparison, with our combination
 
 
 @dataclass
 class Result:
-    system: str
+    arm: str
     phase: str
     engine: str
     ttft: float
@@ -68,15 +94,15 @@ class Result:
 @dataclass
 class Budgeted:
     t: list[float] = field(default_factory=list)
-    resident: list[dict[str, int]] = field(default_factory=list)  # kvcached engine -> worker's KV bytes
-    over: int = 0  # the most bytes the budget was ever over its size (0: never)
+    resident: list[dict[str, int]] = field(default_factory=list)  # kvcached+offload engine -> worker's KV bytes
+    over: dict[str, int] = field(default_factory=dict)  # budget -> the most bytes it was ever over its size
     size: int = 0
 
 
 class BudgetSampler(threading.Thread):
-    """Every 0.1 s: the budget, under its lock (what engines hold: mapped pages and, during a
-    scheduler call, the lease of what its count promised), and each kvcached worker's resident KV
-    bytes (``kv_resident_bytes``: the memory itself)."""
+    """Every 0.1 s: each budget, under its lock (what engines hold: mapped pages and, during a
+    scheduler call, the lease of what its count promised), and each kvcached+offload worker's
+    resident KV bytes (``kv_resident_bytes``: the memory itself)."""
 
     def __init__(self, directory: str, workers: dict[str, int]) -> None:
         super().__init__(daemon=True)
@@ -84,24 +110,29 @@ class BudgetSampler(threading.Thread):
         self.t0 = time.monotonic()
 
     def run(self) -> None:
+        budgets = sorted({a.budget for a in ARMS if a.kvcached})
         while not self.halt.wait(0.1):
-            u = budget_usage(BUDGET, directory=self.directory)
             self.seen.t.append(time.monotonic() - self.t0)
             self.seen.resident.append({e: kv_resident_bytes(pid) for e, pid in self.workers.items()})
-            self.seen.size = u.size or 0
-            self.seen.over = max(self.seen.over, u.used - (u.size or u.used))
+            for name in budgets:
+                u = budget_usage(name, directory=self.directory)
+                self.seen.size = u.size or 0
+                self.seen.over[name] = max(self.seen.over.get(name, 0), u.used - (u.size or u.used))
 
 
-def prompts(phase: str, engine: str, n: int, rnd: int, output: int) -> list[tuple[str, int]]:
-    """``n`` distinct prompts of about 450 to 650 tokens (2,900-4,200 characters) and ``output``
-    tokens each: 5 to 6 blocks of 128 tokens at the end, held for as long as the request
-    decodes, so that a static share of 15 usable blocks admits two or three at a time and the
-    rest wait for their decode to end, where one engine of the budget admits them all."""
-    seed = 10_000 * (rnd + 1) + 97 * sum(map(ord, phase + engine))
+def prompts(engine: str, n: int, turn: int, output: int) -> list[tuple[str, int]]:
+    """The next turn of each of the engine's ``n`` conversations, ``output`` tokens each: the
+    conversation's history (about 500 tokens, four blocks of 128, the same at every turn, as
+    upstream's 2,048-token prefix) and 60 to 120 tokens new to this turn, so that a request
+    holds five to six blocks while it decodes. A static share of 15 usable blocks admits two or
+    three at a time and keeps the histories of about three conversations: a later turn finds
+    the others' evicted, to be recomputed, or restored from the CPU tier where there is one."""
     out = []
     for i in range(n):
-        chars = 2900 + (i * 433) % 1300
-        out.append((" ".join(corpus(120, seed=seed + i))[:chars], output))
+        key = 1_000 * sum(map(ord, engine)) + i
+        history = " ".join(corpus(120, seed=key))[:HISTORY_CHARS]
+        new = " ".join(corpus(40, seed=key * 100 + turn + 1))[: 400 + (i * 137) % 400]
+        out.append((history + " " + new, output))
     return out
 
 
@@ -138,39 +169,50 @@ def stream(server: Server, prompt: str, max_tokens: int) -> tuple[float, float, 
     return first or math.nan, time.perf_counter() - t0, n, "".join(text)
 
 
-def preemptions(server: Server) -> float:
+# vLLM's counters this reads, summed over engines and labels (a counter's ``_total`` included).
+COUNTERS = {
+    "preemptions": "vllm:num_preemptions",
+    "cpu_hit_tokens": "vllm:external_prefix_cache_hits",
+    "loaded_bytes": "vllm:kv_offload_load_bytes",
+    "stored_bytes": "vllm:kv_offload_store_bytes",
+}
+
+
+def counters(server: Server) -> dict[str, float]:
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-        total = 0.0
-        for line in r.read().decode().splitlines():
-            if line.startswith("vllm:num_preemptions_total"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+        lines = r.read().decode().splitlines()
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for key, name in COUNTERS.items():
+        for line in lines:
+            head = line.split("{", 1)[0].split(" ", 1)[0]
+            if head in (name, name + "_total"):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def start_all(model: str, engines: int, runtime: Path, logs: Path) -> dict[str, dict[str, Server]]:
     total = engines * SHARE
-    servers: dict[str, dict[str, Server]] = {s: {} for s in SYSTEMS}
+    servers: dict[str, dict[str, Server]] = {a.name: {} for a in ARMS}
     env = {"XDG_RUNTIME_DIR": str(runtime)}
-    kv_env = dict(
-        env,
-        KVCACHED_BUDGET=BUDGET,
-        KVCACHED_BUDGET_BYTES=str(total),
-        KVCACHED_PAGE_SIZE_MB=PAGE_MB,
-        KVCACHED_MIN_RESERVED_PAGES="0",
-        KVCACHED_MAX_RESERVED_PAGES="0",
-        KVCACHED_MAX_CACHED_TOKENS="0",
-        KVCACHED_DUMP_DIR=str(logs),
-    )
     for i in range(engines):
         name = "ABCDEFGH"[i]
-        common = dict(model=model, cpu_offload_bytes=CPU_TIER, max_model_len=MAX_MODEL_LEN)
-        static = ServerConfig(kvcached=False, env=env, kv_cache_bytes=SHARE, **common)  # type: ignore[arg-type]
-        elastic = ServerConfig(kvcached=True, env=kv_env, kv_cache_bytes=total, **common)  # type: ignore[arg-type]
-        servers["static"][name] = Server(static, logs / f"static-{name}.log")
-        servers["kvcached"][name] = Server(elastic, logs / f"kvcached-{name}.log")
+        for arm in ARMS:
+            common = dict(model=model, max_model_len=MAX_MODEL_LEN, cpu_offload_bytes=CPU_TIER if arm.offload else None)
+            if arm.kvcached:
+                kv_env = dict(
+                    env,
+                    KVCACHED_BUDGET=arm.budget,
+                    KVCACHED_BUDGET_BYTES=str(total),
+                    KVCACHED_PAGE_SIZE_MB=PAGE_MB,
+                    KVCACHED_DUMP_DIR=str(logs),
+                )
+                cfg = ServerConfig(kvcached=True, env=kv_env, kv_cache_bytes=total, **common)  # type: ignore[arg-type]
+            else:
+                cfg = ServerConfig(kvcached=False, env=env, kv_cache_bytes=SHARE, **common)  # type: ignore[arg-type]
+            servers[arm.name][name] = Server(cfg, logs / f"{arm.name.replace('+', '-')}-{name}.log")
     everyone = [s for group in servers.values() for s in group.values()]
     try:
-        for pair in range(0, len(everyone), 2):  # two at a time: six at once starve a 2-core machine
+        for pair in range(0, len(everyone), 2):  # two at a time: more at once starve a 2-core machine
             batch = everyone[pair : pair + 2]
             for s in batch:
                 s.start()
@@ -194,27 +236,18 @@ def phases(engines: int, short: bool) -> list[tuple[str, ...]]:
 
 
 def run_phase(
-    system: str, group: dict[str, Server], busy: tuple[str, ...], per: int, rnd: int, output: int
+    arm: str, group: dict[str, Server], busy: tuple[str, ...], per: int, turns: dict[str, int], output: int
 ) -> list[Result]:
+    """One burst: the next turn of every conversation of each busy engine, all at once."""
     label = "+".join(busy)
-    jobs = [(e, p, n) for e in busy for p, n in prompts(label, e, per, rnd, output)]
+    jobs = [(e, p, n) for e in busy for p, n in prompts(e, per, turns[e], output)]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = [(e, pool.submit(stream, group[e], p, n)) for e, p, n in jobs]
         out = []
         for e, f in futures:
             ttft, secs, toks, text = f.result()
-            out.append(Result(system, label, e, ttft, secs, toks, text))
+            out.append(Result(arm, label, e, ttft, secs, toks, text))
     return out
-
-
-def wait_given_back(directory: str, floor: int, timeout: float) -> float:
-    """Seconds until the budget's use is back to the idle engines' floor (nan: not in time)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if budget_usage(BUDGET, directory=directory).used <= floor:
-            return time.monotonic() - t0
-        time.sleep(0.1)
-    return math.nan
 
 
 def p99(xs: list[float]) -> float:
@@ -222,30 +255,42 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
 
 
-def report(results: list[Result], wall: dict[str, float], pre: dict[str, float]) -> list[str]:
+def _stats(xs: list[float]) -> str:
+    return f"{statistics.mean(xs):.2f} / {statistics.median(xs):.2f} / {p99(xs):.2f}"
+
+
+def report(results: list[Result], wall: dict[str, float], moved: dict[str, dict[str, float]]) -> list[str]:
+    n = min(len([r for r in results if r.arm == a.name]) for a in ARMS)
+    tail = "p99" if n >= 100 else "max"  # with fewer than 100 requests a p99 is the largest
     rows = [
-        "| system | requests | TTFT mean (s) | TTFT p99 (s) | output tokens/s | preemptions |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| arm | requests | TTFT mean / p50 / {tail} (s) | output tokens/s | preemptions | CPU-tier hits (tokens) "
+        "| loaded / stored (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for system in SYSTEMS:
-        rs = [r for r in results if r.system == system]
-        ttft = [r.ttft for r in rs]
-        tps = sum(r.tokens for r in rs) / wall[system]
+    for arm in ARMS:
+        rs = [r for r in results if r.arm == arm.name]
+        tps = sum(r.tokens for r in rs) / wall[arm.name]
+        m = moved[arm.name]
         rows.append(
-            f"| {system} | {len(rs)} | {statistics.mean(ttft):.3f} | {p99(ttft):.3f} | {tps:.1f} | {pre[system]:.0f} |"
+            f"| {arm.name} | {len(rs)} | {_stats([r.ttft for r in rs])} | {tps:.1f} | {m['preemptions']:.0f} "
+            f"| {m['cpu_hit_tokens']:.0f} | {m['loaded_bytes'] / MiB:.0f} / {m['stored_bytes'] / MiB:.0f} |"
         )
-    s = [r.ttft for r in results if r.system == "static"]
-    k = [r.ttft for r in results if r.system == "kvcached"]
+    base, ours = ([r.ttft for r in results if r.arm == name] for name in HEADLINE)
     rows.append(
-        f"\nstatic / kvcached: TTFT mean {statistics.mean(s) / statistics.mean(k):.2f}x, p99 {p99(s) / p99(k):.2f}x"
+        f"\n{HEADLINE[1]} against {HEADLINE[0]}: TTFT mean {statistics.mean(base) / statistics.mean(ours):.2f}x, "
+        f"{tail} {p99(base) / p99(ours):.2f}x lower; p50 {statistics.median(ours):.2f} s against "
+        f"{statistics.median(base):.2f} s"
     )
-    by_phase = ["", "| phase | static TTFT mean / p99 (s) | kvcached TTFT mean / p99 (s) |", "| --- | ---: | ---: |"]
+    by_phase = [
+        "",
+        f"TTFT mean / p50 / {tail} (s) by phase (busy models):",
+        "",
+        "| phase | " + " | ".join(a.name for a in ARMS) + " |",
+        "| --- |" + " ---: |" * len(ARMS),
+    ]
     for ph in dict.fromkeys(r.phase for r in results):
-        cells = []
-        for system in SYSTEMS:
-            t = [r.ttft for r in results if r.system == system and r.phase == ph]
-            cells.append(f"{statistics.mean(t):.3f} / {p99(t):.3f}")
-        by_phase.append(f"| {ph} | {cells[0]} | {cells[1]} |")
+        cells = [_stats([r.ttft for r in results if r.arm == a.name and r.phase == ph]) for a in ARMS]
+        by_phase.append(f"| {ph} | " + " | ".join(cells) + " |")
     return rows + by_phase
 
 
@@ -257,22 +302,22 @@ def plot(results: list[Result], seen: Budgeted, marks: list[tuple[float, str]], 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.4))
     ph = list(dict.fromkeys(r.phase for r in results))
-    width = 0.38
-    for j, system in enumerate(SYSTEMS):
-        means = [statistics.mean([r.ttft for r in results if r.system == system and r.phase == p]) for p in ph]
-        tails = [p99([r.ttft for r in results if r.system == system and r.phase == p]) for p in ph]
-        xs = [i + (j - 0.5) * width for i in range(len(ph))]
+    width = 0.8 / len(ARMS)
+    for j, arm in enumerate(ARMS):
+        means = [statistics.mean([r.ttft for r in results if r.arm == arm.name and r.phase == p]) for p in ph]
+        tails = [p99([r.ttft for r in results if r.arm == arm.name and r.phase == p]) for p in ph]
+        xs = [i + (j - (len(ARMS) - 1) / 2) * width for i in range(len(ph))]
         ax1.bar(xs, tails, width, alpha=0.35, color=f"C{j}")
-        ax1.bar(xs, means, width, label=f"{system} (mean; pale: p99)", color=f"C{j}")
+        ax1.bar(xs, means, width, label=f"{arm.name} (mean; pale: tail)", color=f"C{j}")
     ax1.set_xticks(range(len(ph)), ph)
     ax1.set_xlabel("busy models (phase)")
     ax1.set_ylabel("time to first token (s)")
-    ax1.legend(fontsize=8)
-    ax1.set_title("TTFT: one shared budget vs equal static caches")
+    ax1.legend(fontsize=7)
+    ax1.set_title("TTFT: four arms on the same bursts")
     for e in seen.resident[0] if seen.resident else ():
-        ax2.plot(seen.t, [r[e] / MiB for r in seen.resident], linewidth=1, label=f"kvcached {e}: worker's resident KV")
+        ax2.plot(seen.t, [r[e] / MiB for r in seen.resident], linewidth=1, label=f"kvcached+offload {e}: worker's KV")
     ax2.plot(seen.t, [sum(r.values()) / MiB for r in seen.resident], "k", linewidth=1.5, label="together")
     ax2.axhline(seen.size / MiB, color="k", linestyle="--", label="budget = static engines' caches together")
     for t, label in marks:
@@ -282,7 +327,7 @@ def plot(results: list[Result], seen: Budgeted, marks: list[tuple[float, str]], 
     ax2.set_xlabel("seconds")
     ax2.set_ylabel("MiB")
     ax2.legend(fontsize=7, loc="upper right")
-    ax2.set_title("kvcached: the budget moves to the busy model")
+    ax2.set_title("kvcached+offload: the budget moves to the busy model")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -293,7 +338,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=6, help="concurrent requests per busy model per phase")
+    ap.add_argument("--requests", type=int, default=6, help="conversations per model: one request each per phase")
     ap.add_argument("--output", type=int, default=128, help="output tokens per request")
     ap.add_argument("--short", action="store_true", help="2 engines, 1 round, phases A, B, A+B (the main job's)")
     ap.add_argument("--out", default="bench_out", help="where the logs, the table and the plot go")
@@ -308,69 +353,70 @@ def main() -> None:
         runtime = Path(tmp) / "run"
         runtime.mkdir(mode=0o700)
         model = str(build(Path(tmp) / "model"))
-        print(f"starting {args.engines} static and {args.engines} kvcached engines (vLLM CPU build)...", flush=True)
+        print(f"starting {args.engines} engines in each of {len(ARMS)} arms (vLLM CPU build)...", flush=True)
         servers = start_all(model, args.engines, runtime, out)
         directory = str(runtime / "kvcached")
         try:
             for group in servers.values():  # warm-up, unmeasured: the first batches of a server are slow
                 for server in group.values():
-                    for p, n in prompts("warm-up", "", 2, 0, 4):
+                    for p, n in prompts("warm-up", 2, 0, 4):
                         stream(server, p, n)
-            floor = budget_usage(BUDGET, directory=directory).used  # idle engines: their null blocks' pages
-            workers = {e: s.worker_pid() for e, s in servers["kvcached"].items()}
+            workers = {e: s.worker_pid() for e, s in servers["kvcached+offload"].items()}
             sampler = BudgetSampler(directory, workers)
             sampler.start()
-            before = {s: sum(preemptions(v) for v in servers[s].values()) for s in SYSTEMS}
+            before = {a.name: [counters(v) for v in servers[a.name].values()] for a in ARMS}
             results: list[Result] = []
-            wall = dict.fromkeys(SYSTEMS, 0.0)
+            wall = dict.fromkeys((a.name for a in ARMS), 0.0)
             marks: list[tuple[float, str]] = []
-            back: list[float] = []
+            turns = dict.fromkeys("ABCDEFGH", 0)  # each engine's conversations: turns taken so far
             k = 0
             for rnd in range(args.rounds):
                 for busy in phases(args.engines, args.short):
-                    order = SYSTEMS if k % 2 == 0 else SYSTEMS[::-1]
+                    order = ARMS[k % len(ARMS) :] + ARMS[: k % len(ARMS)]  # rotating: no arm always first
                     k += 1
-                    for system in order:
-                        if system == "kvcached":
+                    for arm in order:
+                        if arm.name == "kvcached+offload":
                             marks.append((time.monotonic() - sampler.t0, "+".join(busy)))
                         t0 = time.perf_counter()
-                        results += run_phase(system, servers[system], busy, args.requests, rnd, args.output)
-                        wall[system] += time.perf_counter() - t0
-                        if system == "kvcached":
-                            back.append(wait_given_back(directory, floor, 30.0))
+                        results += run_phase(arm.name, servers[arm.name], busy, args.requests, turns, args.output)
+                        wall[arm.name] += time.perf_counter() - t0
+                    for e in busy:
+                        turns[e] += 1
                     print(f"round {rnd} phase {'+'.join(busy)}: done", flush=True)
             sampler.halt.set()
             sampler.join()
-            pre = {s: sum(preemptions(v) for v in servers[s].values()) - before[s] for s in SYSTEMS}
+            moved = {}
+            for a in ARMS:
+                after = [counters(v) for v in servers[a.name].values()]
+                moved[a.name] = {
+                    key: sum(x[key] - y[key] for x, y in zip(after, before[a.name], strict=True)) for key in COUNTERS
+                }
         finally:
             for group in servers.values():
                 for s in group.values():
                     s.stop()
-    same = sum(
-        1
-        for a, b in zip(
-            (r for r in results if r.system == "static"), (r for r in results if r.system == "kvcached"), strict=True
-        )
-        if a.text == b.text
-    )
-    n = len(results) // 2
-    lines = report(results, wall, pre)
-    given = [b for b in back if not math.isnan(b)]
+    lines = report(results, wall, moved)
+    static = [r.text for r in results if r.arm == "static"]
+    same = {
+        a.name: sum(x == r.text for x, r in zip(static, [r for r in results if r.arm == a.name], strict=True))
+        for a in ARMS[1:]
+    }
+    over = ", ".join(f"{name} {b} bytes" for name, b in sorted(sampler.seen.over.items()))
     lines += [
         "",
-        f"identical completions in the two systems: {same} of {n} (their batches differ, and a bf16 rounding "
-        "of another batch may flip a greedy token: the served tests compare kvcached and native on the same batches)",
-        f"budget: {sampler.seen.size // MiB} MiB, most ever over its size: {sampler.seen.over} bytes",
-        f"pages given back after a kvcached phase: {len(given)} of {len(back)} phases within 30 s"
-        + (f" (median {statistics.median(given):.1f} s)" if given else ""),
+        "greedy completions identical to static's: "
+        + ", ".join(f"{name} {n} of {len(static)}" for name, n in same.items())
+        + " (their batches differ, and a bf16 rounding of another batch may flip a greedy token: the served "
+        "tests compare kvcached and native on the same batches)",
+        f"budgets: {sampler.seen.size // MiB} MiB each; the most either was ever over its size: {over}",
     ]
     text = "\n".join(lines)
     print(text)
     (out / "multi_llm.md").write_text(text + "\n")
     if plot(results, sampler.seen, marks, out / "multi_llm.png"):
         print(f"plot: {out / 'multi_llm.png'}")
-    if sampler.seen.over > 0:
-        raise SystemExit("bench_multi_llm: the budget was exceeded (see above)")
+    if any(b > 0 for b in sampler.seen.over.values()):
+        raise SystemExit("bench_multi_llm: a budget was exceeded (see above)")
 
 
 if __name__ == "__main__":

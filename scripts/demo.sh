@@ -4,8 +4,9 @@
 # then two kvcached engines on one memory budget smaller than their two KV caches, each growing
 # into what the other gave back, against native vLLM (a memory timeline, demo_out/elastic.png);
 # then the run's journal replayed with kvreplay beside the golden journal of the same load under
-# `legacy`; last, the short version of benchmarks/bench_multi_llm.py (two models on one budget
-# against two static caches: TTFT under bursty load, demo_out/multi_llm.png). Makes .venv and
+# `legacy`; last, the short version of benchmarks/bench_multi_llm.py (two models, four arms:
+# static caches, static + CPU offloading, one budget, one budget + CPU offloading: TTFT under
+# bursty load, demo_out/multi_llm.png). Makes .venv and
 # .venv-cpu on first use (about 2 minutes), then runs in about 16 minutes on a 2-core machine
 # (--skip-elastic: the correctness part only, about 5).
 #
@@ -27,8 +28,8 @@ ensure_cpu_env
 .venv-cpu/bin/python -m kvcached.vllm.testing.demo --out demo_out "$@"
 case " $* " in
 *" --skip-elastic "*) ;;
-*)  # several models on one budget against static caches: the short version (about 6 minutes)
+*)  # several models, four arms: the short version (about 6 minutes)
     echo
-    echo "== two models, one KV budget (kvcached) against two static caches (native vLLM), bursty load:"
+    echo "== two models, four arms (static, static+offload, kvcached, kvcached+offload), bursty load:"
     exec .venv-cpu/bin/python benchmarks/bench_multi_llm.py --short --out demo_out ;;
 esac
