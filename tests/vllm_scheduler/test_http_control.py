@@ -9,6 +9,7 @@ manager (``live_engine``), found the way ``/metrics`` finds the server's engines
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,10 +40,15 @@ def _build(argv: list[str]) -> Any:
             break
         except ImportError:
             continue
+    # NOTE: vLLM's ``suppress_logging`` (vllm/logger.py) calls ``logging.disable`` without a
+    # ``finally``: where the parse raises inside it, logging stays off for every later test.
+    disabled = logging.root.manager.disable
     try:
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     except RuntimeError as exc:  # vLLM's GPU wheel sizes its device config from a GPU
         pytest.skip(f"vLLM's parser needs a device here: {exc}")
+    finally:
+        logging.disable(disabled)
     from vllm.entrypoints.launchers.app import build_app
 
     return build_app(args, supported_tasks=("generate",))
