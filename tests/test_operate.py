@@ -168,6 +168,27 @@ def test_list_status_and_limit_honour_blocks_in_use(
     assert code == 0 and json.loads(out)["limit_pages"] == manager.allocator.num_pages
 
 
+def test_status_says_which_empty_pages_pins_keep_and_how_long_holds_lasted(
+    engine: tuple[str, KVCacheManager], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcached.ledger.events import JobBuilt, JobKind, JobReported
+
+    _, manager = engine
+    blocks = manager.alloc(4)  # one page
+    manager.recorder.emit(JobBuilt(1, JobKind.STORE, 0, (tuple(blocks),), 1))
+    manager.free(blocks)
+    manager.drain_releasable()
+    code, out, err = kv(capsys, "status")
+    assert code == 0, err
+    assert "1 empty page kept by pins now; no hold ended yet" in out, out
+    for step in range(2):
+        manager.recorder.emit(BuildBoundary(step))  # the free's grace ends; the job's pin stays
+    manager.recorder.emit(JobReported(1, 1))
+    manager.drain_releasable()
+    code, out, err = kv(capsys, "status")
+    assert code == 0 and "0 empty pages kept by pins now; 1 hold ended" in out, out
+
+
 def test_dump_over_the_socket_replays(
     engine: tuple[str, KVCacheManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

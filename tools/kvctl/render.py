@@ -87,6 +87,17 @@ def memory_line(m: messages.MemoryStatus) -> str:
     )
 
 
+def holds_text(held: int, h: messages.Histogram) -> str:
+    """Emptied pages pins keep mapped now, and how long the holds that ended lasted
+    (``kvcached.holds``; ``vllm:kvcached_page_hold_seconds`` on /metrics)."""
+    now = f"{plural(held, 'empty page')} kept by pins now"
+    if not h.observed:
+        return f"{now}; no hold ended yet"
+    top = max(i for i, n in enumerate(h.counts) if n)
+    longest = f"at most {h.bounds[top]:g} s" if top < len(h.bounds) else f"over {h.bounds[-1]:g} s"
+    return f"{now}; {plural(h.observed, 'hold')} ended, {h.sum / h.observed:.3g} s on average, the longest {longest}"
+
+
 def memory_json(m: messages.MemoryStatus) -> dict[str, object]:
     d: dict[str, object] = msgspec.to_builtins(m)
     d.update(
@@ -138,6 +149,8 @@ def status_rows(s: messages.StatusReply) -> list[tuple[str, str]]:
         if m.floor_pages:
             rows.append(("floor", f"{format_size(m.floor_bytes)}: {m.floor_why} (kvctl limit --force goes below)"))
         rows.append(("shrink", m.reason if m.shrink_pending else "none pending"))
+        if m.page_holds is not None:
+            rows.append(("held", holds_text(m.held_pages, m.page_holds)))
         b = m.budget
         if b is not None:
             size = "no bound" if b.size is None else format_size(b.size)
