@@ -1,11 +1,17 @@
-"""Page maps and unmaps per scheduler step, as a histogram, under either engine.
+"""The end of a scheduler call under either engine, and its page maps and unmaps per step.
+
+Both wings end a scheduler call alike (``StepEnds``): the allocator takes what the ledger let go
+since (``KVCacheManager.drain_releasable``: after the call's events, never from inside one), and
+at the end of a step the step's page ops are counted. What closes a build stays the wing's (vLLM's
+``Bridge.close_build``, SGLang's ``Bridge.step``), as does when a call ends: vLLM's
+``scheduler_calls`` wrapper, SGLang's ``get_next_batch_to_run`` hook.
 
 On CUDA a page op is one ``cuMemMap`` (with its ``cuMemSetAccess``) or ``cuMemUnmap`` per layer
 region in each worker, 20 to 40 us each (``benchmarks/bench_backend_cuda.py``), and upstream
 kvcached measured its non-contiguous layout losing 20% of an H100's throughput to them. The
 reserve and the pages kept until the ledger lets them go exist so that a decode step in steady
 state makes none. This counts what each step did make: the allocator counts its ops
-(``PageAllocator.ops``), and the wing marks the end of each step (``KVCacheManager.end_step``:
+(``PageAllocator.ops``), and the wing marks the end of each step (``StepEnds.step_ended``:
 vLLM's ``Scheduler.schedule``, SGLang's ``get_next_batch_to_run``), so a step's count is what
 was decided since the previous step ended. ``vllm:kvcached_page_ops_per_step`` exports it.
 """
@@ -13,9 +19,12 @@ was decided since the previous step ended. ``vllm:kvcached_page_ops_per_step`` e
 from __future__ import annotations
 
 import bisect
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ..service.messages import Histogram
+
+if TYPE_CHECKING:
+    from ..kv_cache_manager import KVCacheManager
 
 # Upper bounds of the buckets (Prometheus' ``le``); a last bucket holds the rest (+Inf).
 BOUNDS: Final = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -41,3 +50,21 @@ class OpsPerStep:
 
     def snapshot(self) -> Histogram:
         return Histogram(bounds=BOUNDS, counts=tuple(self._counts), sum=self._sum)
+
+
+class StepEnds:
+    """The end of each scheduler call (``drain``) and of each step (``step_ended``) of one engine."""
+
+    __slots__ = ("manager", "ops")
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.ops = OpsPerStep(manager.allocator.ops)  # what the start mapped is no step's
+
+    def drain(self) -> None:
+        """Let the allocator unmap what the ledger released, after events it did not make."""
+        self.manager.drain_releasable()
+
+    def step_ended(self) -> None:
+        """The step has decided (drained already): count the page ops made since the last one."""
+        self.ops.step_ended(self.manager.allocator.ops)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..engine.steps import OpsPerStep
+from ..engine.steps import OpsPerStep, StepEnds
 from ..ledger.events import (
     BuildBoundary,
     JobBuilt,
@@ -46,7 +46,7 @@ class Bridge:
         self.manager = manager
         self.pool = pool  # the SGLang pool whose slots are the manager's blocks
         self.page_size = page_size
-        self.page_ops = OpsPerStep(manager.allocator.ops)  # page maps and unmaps per step (``step_done``)
+        self.ends = StepEnds(manager)  # each call's drain, each step's page ops (``step_done``)
         self.build = 0
         self._next_job = 0
         # Jobs submitted and not yet seen done, with their finish events.
@@ -95,15 +95,20 @@ class Bridge:
         if self.on_step is not None:
             self.on_step()
         self.poll()
-        self.manager.drain_releasable()
+        self.ends.drain()
         self.scheduling = True
 
     def step_done(self) -> None:
         """The step has built its batch: the budget's room its counts leased and its allocations
         did not map goes back, so that another engine can map it while this one runs or idles."""
         self.scheduling = False
-        self.manager.drain_releasable()
-        self.page_ops.step_ended(self.manager.allocator.ops)
+        self.ends.drain()
+        self.ends.step_ended()
+
+    @property
+    def page_ops(self) -> OpsPerStep:
+        """Page maps and unmaps per step."""
+        return self.ends.ops
 
     def free(self, slots: list[int]) -> None:
         """The allocator frees ``slots`` (blocks, at page_size 1)."""
@@ -115,7 +120,7 @@ class Bridge:
             self.recorder.emit(WindowHold(self._holds[-1][1], 0, tuple(slots)))
         self.manager.free(slots)
         if not self.scheduling:  # within a step, its end drains (a lease may still stand on it)
-            self.manager.drain_releasable()
+            self.ends.drain()
 
     def _next_id(self) -> int:
         n = self._next_job

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ...backends.base import Backend
 from ...budget import Budget
 from ...engine.config import CoreConfig
-from ...engine.steps import OpsPerStep
+from ...engine.steps import OpsPerStep, StepEnds
 from ...errors import ConfigError, KvcachedError
 from ...kv_cache_manager import KVCacheManager, KVGeometry
 from ...ledger.events import Header, Policy
@@ -104,19 +104,24 @@ class Engine:
         self.wake: Callable[[], None] | None = None  # steps an idle engine core (set at busy-loop start)
         # The manager's hand on the budget where its unmaps are decisions for the workers.
         self.deferred: DeferredRelease | None = None
-        self.page_ops = OpsPerStep(0 if manager is None else manager.allocator.ops)
+        self.ends = None if manager is None else StepEnds(manager)
         self._closed = False
         self._failed = False
 
     def drain(self) -> None:
         """Let the allocator unmap what the ledger released (after a scheduler call's events)."""
-        if self.manager is not None:
-            self.manager.drain_releasable()
+        if self.ends is not None:
+            self.ends.drain()
 
     def step_ended(self) -> None:
         """``Scheduler.schedule`` returned: count the page ops decided since the last one did."""
-        if self.manager is not None:
-            self.page_ops.step_ended(self.manager.allocator.ops)
+        if self.ends is not None:
+            self.ends.step_ended()
+
+    @property
+    def page_ops(self) -> OpsPerStep:
+        """Page maps and unmaps per step (none counted without a pool)."""
+        return self.ends.ops if self.ends is not None else OpsPerStep()
 
     def batch_applied(self, message: tuple[int, ...] | None) -> None:
         """Every worker applied the step channel's batch ``message`` (and those before it): the
