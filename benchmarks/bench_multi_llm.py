@@ -281,6 +281,9 @@ def report(results: list[Result], wall: dict[str, float], moved: dict[str, dict[
         f"{tail} {p99(base) / p99(ours):.2f}x lower; p50 {statistics.median(ours):.2f} s against "
         f"{statistics.median(base):.2f} s"
     )
+    phases_seen = list(dict.fromkeys(r.phase for r in results))
+    per_phase = min(len([r for r in results if r.arm == a.name and r.phase == ph]) for a in ARMS for ph in phases_seen)
+    tail = "p99" if per_phase >= 100 else "max"
     by_phase = [
         "",
         f"TTFT mean / p50 / {tail} (s) by phase (busy models):",
@@ -288,7 +291,7 @@ def report(results: list[Result], wall: dict[str, float], moved: dict[str, dict[
         "| phase | " + " | ".join(a.name for a in ARMS) + " |",
         "| --- |" + " ---: |" * len(ARMS),
     ]
-    for ph in dict.fromkeys(r.phase for r in results):
+    for ph in phases_seen:
         cells = [_stats([r.ttft for r in results if r.arm == a.name and r.phase == ph]) for a in ARMS]
         by_phase.append(f"| {ph} | " + " | ".join(cells) + " |")
     return rows + by_phase
