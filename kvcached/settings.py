@@ -69,6 +69,21 @@ def parse_size(text: str) -> int:
     return size.numerator
 
 
+# What ``kvctl limit`` (and the HTTP route, ``api_server.http``) read as no limit at all.
+NO_LIMIT: Final = ("none", "max", "off", "unlimited")
+
+
+def parse_limit(text: str) -> int | None:
+    """A memory limit as ``kvctl limit`` takes it: bytes (``parse_size``), or None for a word of
+    ``NO_LIMIT``; a negative size is a ``ValueError`` like any other (without the text)."""
+    text = text.strip()
+    if text.lower() in NO_LIMIT:
+        return None
+    if text.startswith("-"):
+        raise ValueError("a negative size; give bytes with an optional unit (512M, 2G) or none")
+    return parse_size(text)
+
+
 def format_size(n: int) -> str:
     """``n`` bytes as a person reads them: 16 MiB, 1.5 GiB, 4096 B."""
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):

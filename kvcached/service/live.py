@@ -59,6 +59,11 @@ class LiveViewError(ServiceError):
     """The live view cannot be reached or answered with an error (one line, for kvctl)."""
 
 
+class RefusedError(LiveViewError):
+    """The service answered, refusing the request (a limit below the floor, an unknown page):
+    the engine is fine, the request is not."""
+
+
 # --- the pins table ---------------------------------------------------------------------------
 
 
@@ -602,7 +607,7 @@ def _receive(sock: socket.socket, path: str) -> Reply:
     except msgspec.DecodeError as exc:
         raise LiveViewError(f"{path}: not a ledger service reply: {exc}") from None
     if isinstance(reply, ErrorReply):
-        raise LiveViewError(f"the ledger service refused the request: {reply.message}")
+        raise RefusedError(f"the ledger service refused the request: {reply.message}")
     return reply
 
 

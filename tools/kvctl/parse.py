@@ -15,7 +15,7 @@ from typing import Final
 import kvcli
 
 from kvcached.service import live
-from kvcached.settings import parse_size
+from kvcached.settings import parse_limit
 
 MAX_TIMEOUT: Final = 86_400.0  # a day: longer is a typo (and 1e300 overflows the socket's timeval)
 
@@ -27,14 +27,8 @@ NOT_HERE: Final = {
 
 
 def size(text: str) -> int | None:
-    if text.strip().lower() in ("none", "max", "off", "unlimited"):
-        return None
-    if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: a negative size; give bytes with an optional unit (512M, 2G) or none"
-        )
     try:
-        return parse_size(text)
+        return parse_limit(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 

@@ -30,7 +30,7 @@ from typing import Any, Final
 import msgspec
 
 from ...service import live, messages
-from ...settings import parse_size
+from ...settings import parse_limit
 from . import metrics
 
 PREFIX: Final = "/v1/kvcached"
@@ -52,15 +52,12 @@ class HttpError(Exception):
 
 
 def size_of(value: int | str | None) -> int | None:
-    """Bytes, or None for no limit; a negative or unreadable size is an ``HttpError`` (400)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "max", "off", "unlimited")):
+    """Bytes, or None for no limit, read as ``kvctl limit`` reads its argument (JSON's null and a
+    number too); a negative or unreadable size is an ``HttpError`` (400)."""
+    if value is None:
         return None
-    if isinstance(value, int):
-        if value < 0:
-            raise HttpError(400, f"size {value}: a negative size; give bytes, a size with a unit (2G) or none")
-        return value
     try:
-        return parse_size(value)
+        return parse_limit(str(value))
     except ValueError as exc:
         raise HttpError(400, f"size {value!r}: {exc}") from None
 
@@ -104,7 +101,7 @@ def set_limit(body: LimitBody, args: Any) -> dict[str, Any]:
         try:
             reply = live.request(path, request, timeout=LIMIT_TIMEOUT)
         except live.LiveViewError as exc:
-            refused = "refused the request" in str(exc)
+            refused = isinstance(exc, live.RefusedError)
             raise HttpError(409 if refused else 502, f"engine {info.index}: {exc}") from None
         if not isinstance(reply, messages.LimitReply):
             raise HttpError(502, f"engine {info.index}: answered a {type(reply).__name__}, not a limit")
