@@ -42,12 +42,13 @@ one() {  # one NAME [VAR=VALUE...]: build with the given environment, install, r
         "$out/venv/bin/kvctl" --version
         "$out/venv/bin/kvreplay" --version >/dev/null
         "$out/venv/bin/kvsim" --version >/dev/null
+        "$out/venv/bin/kvvalidate" list seed-basic >/dev/null
         "$out/venv/bin/python" - "$name" "$whl" "$sdist" <<'PY'
 import sys, tarfile, zipfile
 name, whl, sdist = sys.argv[1:]
 files = zipfile.ZipFile(whl).namelist()
 need = ["kvcached/py.typed", "kvcached/__init__.pyi", "kvsim/on_vllm/execute.py", "kvreplay/cli.py",
-        "kvctl/cli.py", "kvsim/cli.py", "kvcached/vllm/engine_core/connector.py"]
+        "kvctl/cli.py", "kvsim/cli.py", "kvvalidate/cli.py", "kvcached/vllm/engine_core/connector.py"]
 missing = [n for n in need if n not in files]
 licence = [n for n in files if n.endswith(".dist-info/licenses/LICENSE")]
 assert not missing and licence, ("the wheel lacks", missing, "LICENSE" if not licence else "")

@@ -21,6 +21,7 @@ PACKAGES = {
     "kvreplay": ROOT / "tools" / "kvreplay",
     "kvctl": ROOT / "tools" / "kvctl",
     "kvsim": ROOT / "tools" / "kvsim",
+    "kvvalidate": ROOT / "tools" / "kvvalidate",
 }
 # What vLLM imports in a served process: the plugin entry point, and the offloading spec that
 # `--kv-transfer-config` names by module path on vLLM's CPU build.

@@ -38,7 +38,7 @@ def test_a_served_engine_reaches_no_scaffolding_and_no_optional_dependency() -> 
     served = import_graph.reachable(import_graph.graph(), import_graph.SERVED_ROOTS)
     assert "kvcached.vllm.plugin" in served and "kvcached.vllm.engine_core.bridge" in served
     assert {"kvcached.vllm.engine_core.served", "kvcached.vllm.worker.hooks"} <= served  # the table's factories
-    scaffolding = ("kvcached.testing", "kvcached.vllm.testing", "kvreplay", "kvctl", "kvsim", "kvcli")
+    scaffolding = ("kvcached.testing", "kvcached.vllm.testing", "kvreplay", "kvctl", "kvsim", "kvvalidate", "kvcli")
     assert not {m for m in served if m.startswith(scaffolding) or m in scaffolding}
     assert not served & OPTIONAL
 
@@ -222,7 +222,7 @@ def test_kvsim_without_vllm_says_what_to_install_in_one_line() -> None:
     assert f"install vLLM {VLLM.newest}" in done.stderr
 
 
-TOOLS = ("kvreplay", "kvctl", "kvsim", "kvcli")
+TOOLS = ("kvreplay", "kvctl", "kvsim", "kvvalidate", "kvcli")
 
 
 def _cross_tool_cli_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:

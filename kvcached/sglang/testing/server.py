@@ -45,21 +45,21 @@ class SglangServer(Server):
 
     def argv(self) -> list[str]:
         c = self.config
-        tokens = c.kv_cache_bytes // kv_bytes_per_token(c.model)
         args = [
             self.python, "-m", "sglang.launch_server",
             "--model-path", c.model,
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--device", "cpu",
-            "--attention-backend", "torch_native",
-            "--disable-cuda-graph",
             "--page-size", "1",
-            "--max-total-tokens", str(tokens),
             "--context-length", str(c.max_model_len),
-            "--grammar-backend", "none",
             "--random-seed", "0",
+            "--enable-cache-report",
         ]  # fmt: skip
+        if c.on_cpu:
+            args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+            args += ["--grammar-backend", "none"]
+        if c.kv_cache_bytes is not None:
+            args += ["--max-total-tokens", str(c.kv_cache_bytes // kv_bytes_per_token(c.model))]
         if c.cpu_offload_bytes:
             hicache = ("--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first")
             args += ["--enable-hierarchical-cache", *hicache]
@@ -69,13 +69,14 @@ class SglangServer(Server):
         drop = ("KVCACHED_", "ENABLE_KVCACHED", "SGLANG_", "VLLM_")
         env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
         env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.site), env.get("PYTHONPATH")]))
+        if self.config.on_cpu:  # SGLang's CPU platform (cpu_platform.dist_info)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.site), env.get("PYTHONPATH")]))
         env["ENABLE_KVCACHED"] = "1" if self.config.kvcached else "0"
         env.update(self.config.env)
         return env
 
     def start(self) -> SglangServer:
-        if not self.site.exists():
+        if self.config.on_cpu and not self.site.exists():
             code = f"from kvcached.sglang.testing import cpu_platform; cpu_platform.dist_info({str(self.site)!r})"
             subprocess.run([self.python, "-c", code], check=True, capture_output=True, timeout=300)
         super().start()

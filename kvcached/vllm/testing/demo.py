@@ -94,6 +94,7 @@ def correct_part(native: Server, ours: Server, console: Console) -> tuple[int, i
     console.print(table)
     console.print(f"{same} of {len(theirs)} completions identical to native vLLM (tokens, logprobs, cached tokens)")
     kv = native.config.kv_cache_bytes
+    assert kv is not None  # the demo's servers are sized (validation_config)
     console.print(
         f"KV memory of the workers after the run: native vLLM {kv // MiB} MiB (its whole KV cache, allocated "
         f"at start and held for good), kvcached {ours_kv / MiB:.1f} MiB resident (its KV pages mapped now: "

@@ -69,7 +69,7 @@ class ServerConfig:
     model: str
     kvcached: bool
     env: dict[str, str] = field(default_factory=dict)  # KVCACHED_* and friends
-    kv_cache_bytes: int = 32 << 20
+    kv_cache_bytes: int | None = 32 << 20  # None: the engine sizes it (--gpu-memory-utilization)
     cpu_offload_bytes: int | None = 64 << 20  # None: no offloading
     max_model_len: int = 2048
     extra_args: tuple[str, ...] = ()
@@ -81,6 +81,9 @@ class ServerConfig:
     # --enforce-eager (no torch.compile: a fast start); off where vLLM's CPU build needs its
     # compiled warm-up (pipeline stages, api_server.checks._check_pipeline).
     enforce_eager: bool = True
+    # The engine runs on this machine's CPU (SGLang needs its CPU flags and platform for that;
+    # vLLM's CPU build needs nothing); False on a GPU (kvvalidate's GPU matrices).
+    on_cpu: bool = True
 
 
 # ``vllm serve`` as the ``vllm`` command runs it (vllm.entrypoints.cli.main:main), its serve part
@@ -143,12 +146,12 @@ class Server:
             "bfloat16",
             "--max-model-len",
             str(c.max_model_len),
-            "--kv-cache-memory-bytes",
-            str(c.kv_cache_bytes),
             "--enable-prompt-tokens-details",
             "--seed",
             "0",
         ]
+        if c.kv_cache_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(c.kv_cache_bytes)]
         if c.cpu_offload_bytes:
             ktc = {
                 "kv_connector": "OffloadingConnector",
