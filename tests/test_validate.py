@@ -136,3 +136,8 @@ def test_the_limit_cases_are_the_seeds_on_one_kvcached_server() -> None:
     assert all(c.scenario == "limit" and c.model.short == "qwen05b" and not c.native_flags for c in seed.values())
     cpu = [c.name for c in cases.MATRICES["cpu"] if c.scenario == "limit"]
     assert cpu == ["limit-vllm-tiny_llama", "limit-sglang-tiny_llama"]
+
+
+def test_the_elastic_cases_are_the_seeds_three_pairs() -> None:
+    pairs = {(c.engine, c.partner) for c in cases.MATRICES["cpu"] if c.scenario == "elastic"}
+    assert pairs == {("vllm", "sglang"), ("sglang", "sglang"), ("vllm", "vllm")}

@@ -112,8 +112,8 @@ def test_probes_are_unchanged(served) -> None:
 
 
 def test_both_journals_replay_clean(served) -> None:
-    for engine in ("vllm", "sglang"):
-        journal = mixed.journal(served["out"], engine)
+    for name, engine in zip("AB", mixed.VLLM_SGLANG, strict=True):
+        journal = mixed.journal(served["out"], name, engine)
         code, text = replay_check(journal)
         assert code == 0, f"{engine}: {text[-2000:]}"
 

@@ -6,21 +6,18 @@ server and a kvcached one (vLLM's CPU build from this environment, SGLang 0.5.23
 must pass, and ``summary.json`` must hold every request's tokens. The witness is the same vLLM case
 with the bug planted (``--policy legacy`` at kvcached PR #598's reproduction settings: no cached
 blocks, no reserve; the tiny cases' pages hold one block): the run must fail, on
-``journal_clean``, with the freed page the ledger saw unmapped under a store. Then the seed's limit
-case on each engine: fill, a lowered limit reached while idle and held under load, restored and
-regrown, probes unchanged.
+``journal_clean``, with the freed page the ledger saw unmapped under a store. The limit and elastic cases are
+``test_validate_cases_e2e.py`` (a module of its own, so that the two run on two workers).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from validate_run import kvvalidate, rows
 
 pytestmark = pytest.mark.vllm
 
@@ -45,26 +42,11 @@ COMPARED = (
 )
 
 
-def _kvvalidate(out: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    if not os.environ.get("KVCACHED_SGLANG_PYTHON") and "sglang" in " ".join(argv):
-        pytest.skip("needs SGLang's environment (KVCACHED_SGLANG_PYTHON, set by scripts/test.sh)")
-    cmd = [sys.executable, "-m", "kvvalidate", "run", *argv, "--device", "cpu", "-o", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=2400)
-
-
-def _rows(stdout: str) -> dict[tuple[str, str], tuple[str, str]]:
-    rows = {}
-    for line in stdout.splitlines()[1:]:
-        case, check, result, *detail = line.split(None, 3)
-        rows[case, check] = (result, detail[0] if detail else "")
-    return rows
-
-
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("validate") / "run"
-    done = _kvvalidate(out, *CASES, "--exact")
-    return {"done": done, "rows": _rows(done.stdout), "out": out}
+    done = kvvalidate(out, *CASES, "--exact")
+    return {"done": done, "rows": rows(done.stdout), "out": out}
 
 
 def test_every_seed_check_passes_on_both_engines(clean: dict[str, Any]) -> None:
@@ -105,44 +87,12 @@ def test_summary_holds_every_requests_tokens_and_cached_counts(clean: dict[str, 
 
 def test_the_planted_bug_fails_the_run_on_its_journal(tmp_path: Path) -> None:
     sets = [arg for s in REPRO for arg in ("--set", s)]
-    done = _kvvalidate(tmp_path / "legacy", CASES[0], "--exact", "--policy", "legacy", *sets)
+    done = kvvalidate(tmp_path / "legacy", CASES[0], "--exact", "--policy", "legacy", *sets)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    failed = {k: v for k, v in _rows(done.stdout).items() if v[0] == "FAIL"}
+    failed = {k: v for k, v in rows(done.stdout).items() if v[0] == "FAIL"}
     # The journal shows the freed-block copy; what the copy read may also change tokens (the
     # host backend's unmapped page), never a server check.
     assert (CASES[0], "journal_clean") in failed, failed
     assert all(case == CASES[0] and (check.endswith("_equal") or check == "journal_clean") for case, check in failed)
     assert failed[CASES[0], "journal_clean"][1].startswith("I1 unmap-under-job"), failed
     assert "1 failed" in done.stderr.splitlines()[-1]
-
-
-LIMIT_CASES = ("limit-vllm-tiny_llama", "limit-sglang-tiny_llama")
-LIMIT_CHECKS = (
-    "server_ready",
-    "limit_cache_filled",
-    "limit_released_idle",
-    "limit_requests_ok",
-    "limit_held_under_load",
-    "limit_set",
-    "limit_raised_regrows",
-    "probe_unchanged",
-    "server_alive",
-    "clean_exit_on_signal",
-    "no_error_signatures",
-    "no_process_left",
-    "kvcached_active",
-    "journal_clean",
-)
-
-
-def test_the_limit_case_on_both_engines(tmp_path: Path) -> None:
-    done = _kvvalidate(tmp_path / "limit", *LIMIT_CASES)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    rows = _rows(done.stdout)
-    assert set(rows) == {(case, check) for case in LIMIT_CASES for check in LIMIT_CHECKS}
-    for case in LIMIT_CASES:
-        # the usage went down to the limit, and back up past it once it was lifted
-        assert " MiB of a " in rows[case, "limit_released_idle"][1]
-        summary = json.loads((tmp_path / "limit" / "summary.json").read_text())
-        seen = {p["case"]["name"]: p["bytes"] for p in summary["cases"]}[case]
-        assert seen["idle"] < seen["limit"] < seen["filled"] and seen["peak"] <= seen["limit"] < seen["regrown"], seen

@@ -39,7 +39,8 @@ class Case(msgspec.Struct, frozen=True):
     native_flags: tuple[str, ...] = ()  # the native server's alone (vLLM's Qwen3.5 --block-size 1024)
     gpu_only: str = ""  # why the CPU path cannot serve it ("" where it can)
     known: str = ""  # a limit kvcached has today that makes the case fail, in one line
-    scenario: Literal["basic", "limit"] = "basic"  # the seed's basic case, or its limit case
+    scenario: Literal["basic", "limit", "elastic"] = "basic"  # which of the seed's tests
+    partner: str = ""  # the elastic case's server B's engine (A's is ``engine``)
     # KVCACHED_* the kvcached server gets (before --set's): a tiny model's page size, so that a
     # page holds a block or a few, as a 2 MiB page holds a real model's, and memory can move.
     settings: tuple[tuple[str, str], ...] = ()
@@ -120,10 +121,23 @@ def _tiny(engine: Engine, kind: str, what: str) -> Case:
     return Case(f"{engine}-tiny_{kind}-kv", engine, model, (), settings=settings)
 
 
+def _fp8(case: Case, dtype: str, page_mb: str) -> Case:
+    """``case`` with an fp8 KV cache: half the bytes per block, so half the page for one block."""
+    name = f"{case.name}-fp8kv"
+    return msgspec.structs.replace(case, name=name, kv_dtype=dtype, settings=(("KVCACHED_PAGE_SIZE_MB", page_mb),))
+
+
 def _limit(case: Case) -> Case:
     """The seed's limit case on ``case``'s engine, model and flags: one kvcached server."""
     name = f"limit-{case.engine}-{case.model.short}"
     return msgspec.structs.replace(case, name=name, scenario="limit", known="", native_flags=())
+
+
+def _elastic(a: Engine, b: Engine) -> Case:
+    """The seed's elastic case at tiny scale (``kvcached.sglang.testing.mixed``): A and B on one budget."""
+    tiny = Model("tiny_llama", "tiny:llama", kind="full attention")
+    name = f"elastic-{a}-tiny_llama+{b}-tiny_llama"
+    return Case(name, a, tiny, (), scenario="elastic", partner=b)
 
 
 MATRICES: Final[dict[str, tuple[Case, ...]]] = {
@@ -151,8 +165,13 @@ MATRICES: Final[dict[str, tuple[Case, ...]]] = {
         _tiny("vllm", "deepseek_v2", "MLA"),
         _tiny("vllm", "qwen3_next", "full + Gated DeltaNet"),
         _tiny("sglang", "deepseek_v2", "MLA"),
+        _fp8(_tiny("vllm", "llama", "full attention"), "fp8", "0.125"),
+        _fp8(_tiny("sglang", "llama", "full attention"), "fp8_e4m3", "0.0625"),
         _limit(_tiny("vllm", "llama", "full attention")),
         _limit(_tiny("sglang", "llama", "full attention")),
+        _elastic("vllm", "sglang"),
+        _elastic("sglang", "sglang"),
+        _elastic("vllm", "vllm"),
     ),
 }
 

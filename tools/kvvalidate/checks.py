@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Final
 
 import msgspec
 
-from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, Completion
+from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, Completion, replay_check
 
 from .phases import COMPARED, PHASES
 
@@ -126,3 +127,13 @@ def compare(case: str, native: Served, ours: Served, *, exact: bool) -> list[Che
 
 def failed(checks: Iterable[Check]) -> list[Check]:
     return [c for c in checks if not c.ok]
+
+
+def journal_check(case: str, journal: Path) -> Check:
+    """``journal_clean``: the journal replayed by ``kvreplay check``; its first violation if any."""
+    if not journal.exists():
+        return Check(case, "journal_clean", False, f"no journal at {journal}")
+    rc, text = replay_check(journal, timeout=600)
+    lines = text.strip().splitlines() or [""]
+    first = next((ln for ln in lines if re.search(r": I\d ", ln)), lines[-1])
+    return Check(case, "journal_clean", rc == 0, "" if rc == 0 else first.removeprefix(f"{journal}: ")[:160])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +19,9 @@ from pathlib import Path
 
 import msgspec
 
-from kvcached.vllm.testing.e2e import Completion, Server, ServerConfig, replay_check
+from kvcached.vllm.testing.e2e import Completion, Server, ServerConfig
 
-from . import checks, limit, phases
+from . import checks, elastic, limit, phases
 from .cases import Case
 
 
@@ -160,12 +159,22 @@ def serve(case: Case, model: str, kvcached: bool, opts: Options) -> checks.Serve
 
 
 def run_case(case: Case, opts: Options, say: Callable[[str], None]) -> tuple[list[checks.Check], dict[str, object]]:
-    """The case's checks (native's server checks, then kvcached's, then the comparisons) and its
-    part of summary.json."""
+    """The case's checks and its part of summary.json (what it saw, its checks, its seconds)."""
     t0 = time.monotonic()
     model = model_path(case, opts.out / "models")
     if case.scenario == "limit":
-        return _run_limit(case, model, opts, say)
+        found, part = _run_limit(case, model, opts, say)
+    elif case.scenario == "elastic":
+        found, part = elastic.run(case, model, opts.out / case.name, opts.python, say)
+    else:
+        found, part = _run_basic(case, model, opts, say)
+    return found, {**part, "seconds": round(time.monotonic() - t0, 1), "checks": found}
+
+
+def _run_basic(
+    case: Case, model: str, opts: Options, say: Callable[[str], None]
+) -> tuple[list[checks.Check], dict[str, object]]:
+    """Native's server checks, then kvcached's, then the comparisons and the journal."""
     say(f"{case.name}: native server ({case.model.path})")
     native = serve(case, model, False, opts)
     say(f"{case.name}: kvcached server (policy {opts.policy})")
@@ -174,26 +183,8 @@ def run_case(case: Case, opts: Options, say: Callable[[str], None]) -> tuple[lis
     found += checks.compare(case.name, native, ours, exact=opts.exact)
     journal = opts.out / case.name / "journal.kvj"
     if ours.ready:
-        if journal.exists():
-            found.append(_journal_check(case, journal))
-        else:
-            found.append(checks.Check(case.name, "journal_clean", False, "the server wrote no journal"))
-    summary = {
-        "case": case,
-        "seconds": round(time.monotonic() - t0, 1),
-        "servers": {s.case: {"ready": s.ready, "phases": s.phases} for s in (native, ours)},
-        "checks": found,
-    }
-    return found, summary
-
-
-def _journal_check(case: Case, journal: Path) -> checks.Check:
-    """``journal_clean``: the journal replayed by ``kvreplay check``; its first violation if any."""
-    rc, text = replay_check(journal, timeout=600)
-    lines = text.strip().splitlines() or [""]
-    first = next((ln for ln in lines if re.search(r": I\d ", ln)), lines[-1])
-    why = "" if rc == 0 else first.removeprefix(f"{journal}: ")[:160]
-    return checks.Check(case.name, "journal_clean", rc == 0, why)
+        found.append(checks.journal_check(case.name, journal))
+    return found, {"case": case, "servers": {s.case: {"ready": s.ready, "phases": s.phases} for s in (native, ours)}}
 
 
 def python_for(engine: str) -> str:
@@ -216,6 +207,6 @@ def _run_limit(
         return server
 
     found, part = limit.run(case, server_for, say)
-    if journal.exists():
-        found.append(_journal_check(case, journal))
+    if found[0].ok:  # the server started
+        found.append(checks.journal_check(case.name, journal))
     return found, part

@@ -1,14 +1,16 @@
-"""A vLLM engine and an SGLang engine on one memory budget, served for real (tests only).
+"""Two engines on one memory budget, served for real: the seed's elastic case (tests and kvvalidate).
 
-kvcached PR #598's GPU CI case ``elastic-vllm-qwen05b+sglang-qwen35_4b`` (the seed, "Elastic
-tests") at tiny scale on this CPU: server A is ``vllm serve`` (vLLM's CPU build) and server B is
-SGLang's ``launch_server`` (``SglangServer``), both with kvcached, both naming one budget
-(``KVCACHED_BUDGET``) of 96 MiB, less than their two 64 MiB KV caches. ``run_mixed`` runs the
-seed's phases; ``tests/serve/test_mixed_budget_e2e.py`` makes the seed's checks (``MixedRun``).
+kvcached PR #598's GPU CI cases ``elastic-vllm-qwen05b+sglang-qwen35_4b`` and its vLLM+vLLM and
+SGLang+SGLang pairs (the seed, "Elastic tests") at tiny scale on this CPU: server A and server B
+are each ``vllm serve`` (vLLM's CPU build) or SGLang's ``launch_server`` (``SglangServer``), both
+with kvcached, both naming one budget (``KVCACHED_BUDGET``) of 96 MiB, less than their two 64 MiB
+KV caches. ``run_mixed`` runs the seed's phases; ``tests/serve/test_mixed_budget_e2e.py`` and
+kvvalidate's elastic cases make the seed's checks (``MixedRun``).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import urllib.request
 from collections.abc import Callable
@@ -38,13 +40,19 @@ LOADS = {name: elastic.prompts(f"mixed {name}", 5, 6500) for name in ("A", "B", 
 PROBES = [(p, 8) for p, _ in elastic.prompts("mixed probes", 3, 200)]
 
 
-def journal(out: Path, engine: str) -> Path:
-    """Where the server of ``engine`` ("vllm", "sglang") journals its ledger."""
-    return out / f"mixed-{engine}.kvj"
+Pair = tuple[str, str]  # the engines of A and B: "vllm" or "sglang"
+VLLM_SGLANG: Pair = ("vllm", "sglang")
 
 
-def configs(model: str, runtime: Path, budget: str, dump_dir: Path) -> dict[str, ServerConfig]:
-    def config(engine: str) -> ServerConfig:
+def journal(out: Path, name: str, engine: str) -> Path:
+    """Where server ``name`` ("A", "B") of ``engine`` ("vllm", "sglang") journals its ledger."""
+    return out / f"mixed-{name}-{engine}.kvj"
+
+
+def configs(
+    model: str, runtime: Path, budget: str, dump_dir: Path, pair: Pair = VLLM_SGLANG
+) -> dict[str, ServerConfig]:
+    def config(name: str, engine: str) -> ServerConfig:
         env = {
             "XDG_RUNTIME_DIR": str(runtime),
             "KVCACHED_MIN_RESERVED_PAGES": "0",
@@ -53,13 +61,13 @@ def configs(model: str, runtime: Path, budget: str, dump_dir: Path) -> dict[str,
             "KVCACHED_BUDGET": budget,
             "KVCACHED_BUDGET_BYTES": str(BUDGET_BYTES),
             "KVCACHED_DUMP_DIR": str(dump_dir),
-            "KVCACHED_LEDGER_JOURNAL": str(journal(dump_dir, engine)),
+            "KVCACHED_LEDGER_JOURNAL": str(journal(dump_dir, name, engine)),
         }
         if engine == "sglang":
             env["KVCACHED_BACKEND"] = "host"
         return ServerConfig(model=model, kvcached=True, env=env, kv_cache_bytes=KV_BYTES, cpu_offload_bytes=CPU_TIER)
 
-    return {"A": config("vllm"), "B": config("sglang")}
+    return {"A": config("A", pair[0]), "B": config("B", pair[1])}
 
 
 @dataclass
@@ -81,17 +89,21 @@ class MixedRun:
     sampler_errors: list[str] = field(default_factory=list)
     logs: dict[str, str] = field(default_factory=dict)
     left_behind: dict[str, list[int]] = field(default_factory=dict)
+    exit_seconds: dict[str, float | None] = field(default_factory=dict)
 
 
-def _engine_pids(runtime: Path, a: Server) -> dict[str, int]:
-    """kvctl's view: A by its HTTP port, B as the one SGLang engine."""
-    pids = {"A": elastic.engine_pid(runtime, a)}
-    for e in elastic.kvctl(runtime, "list", "--json"):
-        engine = (e.get("status") or {}).get("engine") or {}
-        if str(engine.get("engine", "")).startswith("SGLang "):
-            pids["B"] = int(e["status"]["pid"])
-    if "B" not in pids:
-        raise RuntimeError("kvctl list shows no SGLang engine")
+def _engine_pids(runtime: Path, servers: dict[str, Server]) -> dict[str, int]:
+    """kvctl's view: a vLLM engine by its HTTP port, an SGLang engine by its scheduler's pid
+    (which runs the ledger service kvctl asks)."""
+    pids: dict[str, int] = {}
+    listed = {int(e["status"]["pid"]) for e in elastic.kvctl(runtime, "list", "--json") if e.get("status")}
+    for n, s in servers.items():
+        if isinstance(s, SglangServer):
+            pids[n] = s.worker_pid()
+            if pids[n] not in listed:
+                raise RuntimeError(f"kvctl list shows no SGLang engine of server {n} (pid {pids[n]})")
+        else:
+            pids[n] = elastic.engine_pid(runtime, s)
     return pids
 
 
@@ -102,9 +114,12 @@ def run_mixed(
     *,
     budget: str = "mixed",
     python: str | Path = DEFAULT_PYTHON,
+    vllm_python: str | Path = sys.executable,
+    pair: Pair = VLLM_SGLANG,
     say: Callable[[str], None] = print,
 ) -> MixedRun:
-    """Start A then B, run the four phases, stop them; never raises for what it observes.
+    """Start A then B, run the four phases, stop them; never raises for what it observes
+    (a server that does not start raises ``RuntimeError`` naming it).
 
     NOTE: A starts first, then B. The seed's phases, with its load sized down (distinct prompts
     of about 1,000 tokens, 4 greedy output tokens, 16 MiB of KV each; five fill a cache):
@@ -118,9 +133,15 @@ def run_mixed(
     Three greedy probes of about 32 tokens run on each server before and after.
     """
     run = MixedRun()
-    cfg = configs(model, runtime, budget, out)
-    a = Server(cfg["A"], out / "mixed-A-vllm.log")
-    b = SglangServer(cfg["B"], out / "mixed-B-sglang.log", python=python)
+    cfg = configs(model, runtime, budget, out, pair)
+
+    def server(n: str, engine: str) -> Server:
+        log = out / f"mixed-{n}-{engine}.log"
+        if engine == "sglang":
+            return SglangServer(cfg[n], log, python=python)
+        return Server(cfg[n], log, python=str(vllm_python))
+
+    a, b = server("A", pair[0]), server("B", pair[1])
     servers = {"A": a, "B": b}
     sampler: elastic.Sampler | None = None
     try:
@@ -130,14 +151,15 @@ def run_mixed(
             if not s.wait_ready(timeout=STARTUP_S):
                 raise RuntimeError(f"server {n} did not start; its log: {s.log_path}")
         say(
-            f"A (vLLM) ready after {a.ready_after:.0f} s, B (SGLang) after {b.ready_after:.0f} s; "
+            f"A ({pair[0]}) ready after {a.ready_after:.0f} s, B ({pair[1]}) after {b.ready_after:.0f} s; "
             f"budget {budget} of {BUDGET_BYTES // MiB} MiB, {KV_BYTES // MiB} MiB of KV each"
         )
-        pids = _engine_pids(runtime, a)
-        # The sampler reads the budget every 0.2 s throughout, and A's worker's resident KV bytes
-        # only: SGLang's scheduler keeps its pool in anonymous memory, which /proc does not name,
-        # so B's share in the budget is its account.
-        sampler = elastic.Sampler(budget, str(runtime / "kvcached"), {"A": a.worker_pid()})
+        pids = _engine_pids(runtime, servers)
+        # The sampler reads the budget every 0.2 s throughout, and the resident KV bytes of vLLM's
+        # workers only: SGLang's scheduler keeps its pool in anonymous memory, which /proc does
+        # not name, so an SGLang engine's share in the budget is its account.
+        workers = {n: s.worker_pid() for n, s in servers.items() if not isinstance(s, SglangServer)}
+        sampler = elastic.Sampler(budget, str(runtime / "kvcached"), workers)
         sampler.engines = {p: n for n, p in pids.items()}
         sampler.start()
 
@@ -170,7 +192,7 @@ def run_mixed(
         run.seen["a_reset_ok"] = a.reset_prefix_cache()
         got = released("A", start.share["A"], a_peak.share["A"])
         run.seen["a_poked"] = got is None
-        if got is None:  # an idle vLLM engine core steps only when woken (see elastic.limit_idle)
+        if got is None and pair[0] == "vllm":  # an idle vLLM engine core steps only when woken (elastic.limit_idle)
             with urllib.request.urlopen(a.url + "/is_sleeping", timeout=30) as r:
                 r.read()
             released("A", start.share["A"], a_peak.share["A"])
@@ -213,4 +235,5 @@ def run_mixed(
         for n, s in servers.items():
             run.logs[n] = s.log(before_stop=True) if s.log_path.exists() else ""
             run.left_behind[n] = s.left_behind
+            run.exit_seconds[n] = s.exit_seconds
     return run
