@@ -3,6 +3,7 @@ comparison rules (more than half of the prompts equal native's; ``--exact``: all
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,35 @@ def test_the_limit_cases_are_the_seeds_on_one_kvcached_server() -> None:
 def test_the_elastic_cases_are_the_seeds_three_pairs() -> None:
     pairs = {(c.engine, c.partner) for c in cases.MATRICES["cpu"] if c.scenario == "elastic"}
     assert pairs == {("vllm", "sglang"), ("sglang", "sglang"), ("vllm", "vllm")}
+
+
+def test_run_prints_the_table_a_line_per_case_and_writes_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's own work, with the servers left out: each case's checks as the runner gives them."""
+    from kvvalidate import runner
+
+    def fake(case: cases.Case, opts: runner.Options, say: object) -> tuple[list[checks.Check], dict[str, object]]:
+        assert opts.on_cpu and opts.exact and opts.settings == {"KVCACHED_MIN_RESERVED_PAGES": "0"}
+        ok = case.engine == "vllm"
+        found = [
+            checks.Check(case.name, "server_ready", True),
+            checks.Check(case.name, "journal_clean", ok, "" if ok else "I1 x"),
+        ]
+        return found, {"case": case, "checks": found, "seconds": 1.0}
+
+    monkeypatch.setattr(runner, "run_case", fake)
+    out = tmp_path / "run"
+    argv = ["run", "vllm-tiny_llama-kv", "sglang-tiny_llama-kv", "--device", "cpu", "--exact", "-o", str(out)]
+    assert main([*argv, "--set", "KVCACHED_MIN_RESERVED_PAGES=0"]) == 1
+    got = capsys.readouterr()
+    table = got.out.splitlines()
+    assert table[0].split() == ["case", "check", "result", "detail"] and len(table) == 5
+    assert table[-1].split() == ["sglang-tiny_llama-kv", "journal_clean", "FAIL", "I1", "x"]
+    lines = got.err.splitlines()
+    assert lines[0].startswith("kvvalidate: vllm-tiny_llama-kv: all 2 checks passed (")
+    assert lines[1].startswith("kvvalidate: sglang-tiny_llama-kv: 1 of 2 checks failed: journal_clean (")
+    assert lines[2] == f"kvvalidate: 2 cases, 4 checks, 1 failed; logs and summary.json in {out}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [c["case"]["name"] for c in summary["cases"]] == ["vllm-tiny_llama-kv", "sglang-tiny_llama-kv"]
+    assert [p.name for p in out.iterdir()] == ["summary.json"]  # no temporary left beside it

@@ -95,10 +95,13 @@ def cmd_run(args: argparse.Namespace, found: list[cases.Case], out: TextIO, err:
     )
     every: list[checks.Check] = []
     summary: list[dict[str, object]] = []
+    verdicts: list[tuple[str, list[checks.Check], float]] = []  # case, its checks, its seconds
     for case in runnable:
+        t0 = time.monotonic()
         found_checks, part = runner.run_case(case, opts, lambda line: print(f"kvvalidate: {line}", file=err))
         every += found_checks
         summary.append(part)
+        verdicts.append((case.name, found_checks, time.monotonic() - t0))
     tmp = folder / ".summary.json.tmp"
     tmp.write_bytes(msgspec.json.format(msgspec.json.encode({"cases": summary})))
     tmp.replace(folder / "summary.json")
@@ -109,6 +112,11 @@ def cmd_run(args: argparse.Namespace, found: list[cases.Case], out: TextIO, err:
         rows = [("case", "check", "result", "detail")]
         rows += [(k.case, k.name, "pass" if k.ok else "FAIL", k.detail) for k in every]
         _table(rows, out)
+    for name, mine, seconds in verdicts:
+        wrong = checks.failed(mine)
+        names = ", ".join(c.name for c in wrong[:4]) + (", ..." if len(wrong) > 4 else "")
+        verdict = f"{len(wrong)} of {len(mine)} checks failed: {names}" if wrong else f"all {len(mine)} checks passed"
+        err.write(f"kvvalidate: {name}: {verdict} ({seconds:.0f} s)\n")
     bad = checks.failed(every)
     cases_run = kvcli.plural(len(runnable), "case")
     err.write(
