@@ -7,6 +7,7 @@ scheduler's thread and applied at its next step (``SglangControl.apply``).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -127,7 +128,12 @@ def engine_info(
     page_cost: int = 0,
 ) -> EngineInfo:
     """Who this SGLang engine is (``kvcached.engine.control.engine_info``), from its server's
-    arguments (``get_server_args``) where a server built it."""
+    arguments (``get_server_args``) where a server built it.
+
+    NOTE: ``api_pid`` is the process that loaded kvcached's plugin first, SGLang's HTTP server
+    under ``launch_server`` (``plugin.register`` names it in ``KVCACHED_SERVE_PID``, which the
+    scheduler processes it starts inherit); its ``/metrics`` finds this engine by it."""
+    api = os.environ.get("KVCACHED_SERVE_PID", "")
     return core_engine_info(
         engine=f"SGLang {sglang}",
         model=_model_name(),
@@ -138,6 +144,7 @@ def engine_info(
         page_size=page_size,
         page_cost=page_cost,
         compiled=compiled_status(CORE_COMPILED) is None,
+        api_pid=int(api) if api.isdigit() else None,
     )
 
 

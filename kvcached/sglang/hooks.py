@@ -97,6 +97,13 @@ PATCHES: Final = (
         "its sharded allocators (aggregate_free_size)",
     ),
     Patch(
+        module="prometheus_client.multiprocess",
+        owner="MultiProcessCollector",
+        attrs=("collect",),
+        why="SGLang's /metrics (--enable-metrics) is a registry around one MultiProcessCollector "
+        "(add_prometheus_middleware); kvcached's series join what it collects, in the HTTP server",
+    ),
+    Patch(
         module=_TOKEN,
         owner=None,
         attrs=("TokenToKVPoolAllocator",),
@@ -220,6 +227,12 @@ def _check_pools(original: Any, checker: Any, stats: Any, *args: Any, **kwargs: 
     return original(checker, stats, *args, **kwargs)
 
 
+def _collect(original: Any, collector: Any, *args: Any, **kwargs: Any) -> Any:
+    from . import metrics
+
+    return [*original(collector, *args, **kwargs), *metrics.families(SGLANG)]
+
+
 def _step(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     engine = engine_of(allocator)
@@ -294,6 +307,7 @@ def install(*, strict: bool = False) -> None:
         "submit_host_to_device": _submit(JobKind.LOAD),
         "get_next_batch_to_run": _step,
         "_check_all_pools": _check_pools,
+        "collect": _collect,
     }
     before = {p.target: pkgutil.resolve_name(p.target) for p in rows if p.owner is not None}
     for p in rows:

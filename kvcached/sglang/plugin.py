@@ -14,6 +14,8 @@ same way where SGLang calls them, ``refusing``).
 
 from __future__ import annotations
 
+import os
+
 from ..engine.config import core_fields
 from ..errors import ConfigError
 from ..service.config import service_config
@@ -45,6 +47,9 @@ def register() -> None:
     try:
         if not Settings.enabled_in() or _installed is not None:
             return
+        # The first process to load the plugin is the one that starts SGLang's schedulers (the HTTP
+        # server under launch_server): they inherit its pid, by which its /metrics finds them.
+        os.environ.setdefault("KVCACHED_SERVE_PID", str(os.getpid()))
         config = config_from(Settings.from_env())
         from . import hooks
 
