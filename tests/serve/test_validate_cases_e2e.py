@@ -1,10 +1,10 @@
 """kvvalidate's limit and elastic cases as a user runs them, on this CPU (tests/serve runs it).
 
 The seed's limit case on each engine: a fill, a lowered limit reached while idle and held under
-load, lifted and regrown, probes unchanged. The seed's elastic case for the two pairs of one
-engine, SGLang + SGLang and vLLM + vLLM (a vLLM and an SGLang server on one budget are
-``test_mixed_budget_e2e.py``'s): A fills, gives back on its reset, B maps what A held, both loads
-at once succeed, the budget never over its size. Every check of the seed, by name, must pass.
+load, lifted and regrown, probes unchanged. The seed's elastic case for SGLang + SGLang (a vLLM
+and an SGLang server on one budget are ``test_mixed_budget_e2e.py``'s, two vLLM engines
+``test_budget_e2e.py``'s): A fills, gives back on its reset, B maps what A held, both loads at
+once succeed, the budget never over its size. Every check of the seed, by name, must pass.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def test_the_limit_case_on_both_engines(tmp_path: Path) -> None:
         assert seen["idle"] < seen["limit"] < seen["filled"] and seen["peak"] <= seen["limit"] < seen["regrown"], seen
 
 
-ELASTIC_CASES = ("elastic-sglang-tiny_llama+sglang-tiny_llama", "elastic-vllm-tiny_llama+vllm-tiny_llama")
+# SGLang + SGLang alone: two vLLM engines on one budget are test_budget_e2e.py's (kvvalidate's
+# vLLM + vLLM case passes too, docs/validate.md), and CI's served stage is near its time.
+ELASTIC_CASES = ("elastic-sglang-tiny_llama+sglang-tiny_llama",)
 ELASTIC_CHECKS = (
     "a_ready",
     "b_ready",
@@ -78,7 +80,7 @@ ELASTIC_CHECKS = (
 )
 
 
-def test_the_elastic_case_for_each_engine_with_itself(tmp_path: Path) -> None:
+def test_the_elastic_case_of_two_sglang_servers(tmp_path: Path) -> None:
     done = kvvalidate(tmp_path / "elastic", *ELASTIC_CASES)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     table = rows(done.stdout)
