@@ -84,5 +84,6 @@ def test_kvcached_info_says_whether_the_engines_release_was_tested() -> None:
     from kvcached.vllm.api_server import metrics
 
     assert "tested" in metrics.SERIES["info"][2] and "vllm_version" in metrics.SERIES["info"][2]
-    assert metrics._tested("0.34.0") and metrics._tested("0.32.0+cpu")
-    assert not metrics._tested("0.35.0") and not metrics._tested("sglang 0.5.23") and not metrics._tested("?")
+    tested = metrics.Collector(1).tested
+    assert tested("0.34.0") and tested("0.32.0+cpu")
+    assert not tested("0.35.0") and not tested("sglang 0.5.23") and not tested("?")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Final
 
+from ..errors import ConfigError
 from ..ledger.findings import INVARIANTS
 from ..service import live, messages
+from .releases import Releases
 
 SCRAPE_TIMEOUT: Final = 1.0  # seconds per engine: Prometheus' own scrape timeout is 10 s
 PREFIX: Final = "vllm:kvcached_"
@@ -122,13 +124,20 @@ class Collector:
     ``kvctl`` uses: one round trip per engine, a few ms, nothing between scrapes.
     """
 
-    def __init__(self, api_pid: int, folder: str | None = None, *, tested: Callable[[str], bool]) -> None:
+    def __init__(self, api_pid: int, folder: str | None = None, *, releases: Releases) -> None:
         self.api_pid = api_pid
         self.folder = folder
-        self.tested = tested  # the engine's own table: is this "vLLM 0.34.0" / "SGLang 0.5.23" tested?
+        self.releases = releases  # the serving engine's tested releases (its wing's table)
         self._failed = False
         self._foreign: set[tuple[str, int]] = set()  # sockets (path, inode) of other servers' engines
         self._known: dict[str, messages.EngineInfo] = {}  # socket -> the engine that answered there
+
+    def tested(self, release: str) -> bool:
+        """Whether the engine's ``release`` is one kvcached was tested on (an unreadable one is not)."""
+        try:
+            return self.releases.is_tested(release)
+        except ConfigError:
+            return False
 
     def families(self, log: logging.Logger) -> list[Any]:
         """The families of a scrape; none when collecting fails, said once in ``log``: the
@@ -208,7 +217,7 @@ class Collector:
                     eng.socket,
                     eng.budget or "",
                     eng.release if eng.engine.startswith("vLLM ") else "",
-                    "true" if self.tested(eng.engine) else "false",
+                    "true" if self.tested(eng.release) else "false",
                     eng.engine,
                 ],
                 1,

@@ -17,7 +17,6 @@ from typing import Any
 
 from ..engine.metrics import Collector
 from ..engine.releases import Releases
-from ..errors import ConfigError
 
 log = logging.getLogger("sglang.kvcached")
 
@@ -28,12 +27,5 @@ def families(releases: Releases) -> list[Any]:
     """The families of this process's engines for one scrape (the collector made at the first)."""
     global _collector
     if _collector is None:
-        _collector = Collector(os.getpid(), tested=lambda engine: _tested(releases, engine))
+        _collector = Collector(os.getpid(), releases=releases)
     return _collector.families(log)
-
-
-def _tested(releases: Releases, engine: str) -> bool:
-    try:
-        return releases.is_tested(engine.rsplit(" ", 1)[-1])
-    except ConfigError:  # an unreadable release is not a tested one
-        return False

@@ -22,22 +22,12 @@ import pytest
 from kvcached.ledger.findings import INVARIANTS
 from kvcached.testing.tiny_model import build, corpus
 from kvcached.version import KVCACHED_VERSION
-from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, Server, ServerConfig
+from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, Server, ServerConfig, metric_families
 
 pytestmark = pytest.mark.vllm
 
 MiB = 1 << 20
 SCRAPES = 16
-
-
-def _families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +66,13 @@ def test_every_api_server_exposes_the_series(served: dict[str, Any]) -> None:
     pids = set(re.findall(r"kvcached's series on the /metrics of API server pid (\d+)", served["log"]))
     assert len(pids) == 2, served["log"][-4000:]
     for text in served["scrapes"]:
-        got = _families(text)
+        got = metric_families(text)
         assert [v for _, v in got["vllm:kvcached_engine_up"]] == [1.0], text[-2000:]
 
 
 def test_the_engine_label_joins_vllm_s_own_kv_series(served: dict[str, Any]) -> None:
     for text in served["scrapes"]:
-        got = _families(text)
+        got = metric_families(text)
         theirs = {(lv["model_name"], lv["engine"]) for lv, _ in got["vllm:kv_cache_usage_perc"]}
         ours = {(lv["model_name"], lv["engine"]) for lv, _ in got["vllm:kvcached_mapped_bytes"]}
         assert ours and ours == theirs, (ours, theirs)
@@ -90,7 +80,7 @@ def test_the_engine_label_joins_vllm_s_own_kv_series(served: dict[str, Any]) -> 
 
 
 def test_zero_series_disjoint_states_and_the_info_series(served: dict[str, Any]) -> None:
-    got = _families(served["scrapes"][-1])
+    got = metric_families(served["scrapes"][-1])
     violations = got["vllm:kvcached_violations_total"]
     assert sorted(lv["invariant"] for lv, _ in violations) == sorted(INVARIANTS)
     assert {v for _, v in violations} == {0.0}
@@ -124,7 +114,7 @@ def test_zero_series_disjoint_states_and_the_info_series(served: dict[str, Any])
 def test_every_series_the_collector_declares_is_on_the_scrape(served: dict[str, Any]) -> None:
     from kvcached.vllm.api_server import metrics
 
-    seen = set(_families(served["scrapes"][-1]))
+    seen = set(metric_families(served["scrapes"][-1]))
     only_while_shrinking = {metrics.PREFIX + "shrink_waiting_pages"}
     assert metrics.exposed_names() - only_while_shrinking <= seen, metrics.exposed_names() - seen
 
@@ -138,7 +128,7 @@ def test_a_sigkilled_engine_core_takes_the_scrape_target_down(served: dict[str, 
     import time
     import urllib.error
 
-    ((info, _),) = _families(served["scrapes"][-1])["vllm:kvcached_info"]
+    ((info, _),) = metric_families(served["scrapes"][-1])["vllm:kvcached_info"]
     os.kill(int(info["pid"]), signal.SIGKILL)
     deadline = time.monotonic() + 120  # a bound on a condition, for a loaded machine
     while True:

@@ -21,21 +21,11 @@ import pytest
 from kvcached.engine.metrics import PREFIX, exposed_names
 from kvcached.ledger.findings import INVARIANTS
 from kvcached.testing.tiny_model import build
-from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, ServerConfig
+from kvcached.vllm.testing.e2e import ERROR_SIGNATURES, ServerConfig, metric_families
 
 pytestmark = pytest.mark.vllm
 
 MiB = 1 << 20
-
-
-def _families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +66,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 def test_kvcached_series_are_on_sglangs_scrape_as_under_vllm(scraped: dict[str, Any]) -> None:
     assert all(c.ok for c in scraped["done"])
-    got = _families(scraped["text"])
+    got = metric_families(scraped["text"])
     only_while_shrinking = {PREFIX + "shrink_waiting_pages"}
     assert exposed_names() - only_while_shrinking <= set(got), exposed_names() - set(got)
     ((info, one),) = got[PREFIX + "info"]
@@ -99,7 +89,7 @@ def test_kvcached_series_are_on_sglangs_scrape_as_under_vllm(scraped: dict[str, 
 
 
 def test_sglangs_own_series_stay_and_the_log_is_clean(scraped: dict[str, Any]) -> None:
-    got = _families(scraped["text"])
+    got = metric_families(scraped["text"])
     assert any(name.startswith("sglang:") for name in got), sorted(got)[:10]
     bad = [line for line in scraped["log"].splitlines() if ERROR_SIGNATURES.search(line)]
     assert not bad, bad[:5]

@@ -99,9 +99,10 @@ def cmd_run(args: argparse.Namespace, found: list[cases.Case], out: TextIO, err:
     for case in runnable:
         t0 = time.monotonic()
         found_checks, part = runner.run_case(case, opts, lambda line: print(f"kvvalidate: {line}", file=err))
+        seconds = time.monotonic() - t0
         every += found_checks
-        summary.append(part)
-        verdicts.append((case.name, found_checks, time.monotonic() - t0))
+        summary.append({**part, "seconds": round(seconds, 1), "checks": found_checks})
+        verdicts.append((case.name, found_checks, seconds))
     tmp = folder / ".summary.json.tmp"
     tmp.write_bytes(msgspec.json.format(msgspec.json.encode({"cases": summary})))
     tmp.replace(folder / "summary.json")

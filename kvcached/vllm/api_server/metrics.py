@@ -10,8 +10,7 @@ from typing import Any
 
 from ...engine import metrics as core
 from ...engine.metrics import PREFIX, SERIES, documented_names, exposed_names, page_states
-from ...errors import ConfigError
-from .checks import tested
+from .. import patches
 
 __all__ = [
     "PREFIX",
@@ -28,20 +27,11 @@ __all__ = [
 log = logging.getLogger("vllm.kvcached")
 
 
-def _tested(engine: str) -> bool:
-    """Whether the engine's vLLM ("vLLM 0.34.0") is a release kvcached was tested on (an unreadable
-    one is not)."""
-    try:
-        return tested(engine.rsplit(" ", 1)[-1])
-    except ConfigError:
-        return False
-
-
 class Collector(core.Collector):
     """The collector of the engine cores ``vllm serve`` pid ``api_pid`` started."""
 
     def __init__(self, api_pid: int, folder: str | None = None) -> None:
-        super().__init__(api_pid, folder, tested=_tested)
+        super().__init__(api_pid, folder, releases=patches.VLLM)
 
 
 _collector: Collector | None = None

@@ -394,6 +394,18 @@ class Completion:
         return worst
 
 
+def metric_families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A ``/metrics`` scrape read with ``prometheus_client``'s own parser: sample name -> its
+    (labels, value) pairs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of one process, shared pages it maps included (the KV file is shared)."""
     import psutil
